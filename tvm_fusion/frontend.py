@@ -1,0 +1,145 @@
+"""ONNX import with checks up front, so bad input fails with one line naming the file or node."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import onnx
+import tvm
+from tvm.relax.frontend.onnx import from_onnx
+
+from .errors import ModelLoadError, UnsupportedOpError
+
+# The Relax ONNX frontend implements converters back to opset 1 for most ops, but models older
+# than opset 7 use semantics (e.g. BatchNormalization's spatial/is_test attrs) it does not model.
+MIN_OPSET = 7
+MAX_OPSET = onnx.defs.onnx_opset_version()
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple  # ints, or strings for symbolic dims
+    dtype: str
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclasses.dataclass
+class ImportedModel:
+    """A Relax module plus what the build and the exported metadata need to know about it."""
+
+    mod: tvm.IRModule
+    name: str
+    model_hash: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    onnx_model: onnx.ModelProto | None = None
+
+
+def model_hash(model: onnx.ModelProto) -> str:
+    """A stable content hash: tuning records are only reused for the exact same model."""
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
+
+
+def read_onnx(path: str | os.PathLike) -> onnx.ModelProto:
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: is a directory, expected an .onnx file")
+    try:
+        return onnx.load(str(path))
+    except Exception as err:  # protobuf DecodeError and friends
+        raise ModelLoadError(f"{path}: not a readable ONNX model ({type(err).__name__}: {err})") from None
+
+
+def check_onnx(model: onnx.ModelProto, where: str = "model") -> None:
+    """Structural, opset and operator-support checks, before the frontend's own errors can fire."""
+    if len(model.graph.node) == 0:
+        raise ModelLoadError(f"{where}: the ONNX graph has no nodes (empty or truncated file?)")
+    try:
+        onnx.checker.check_model(model)
+    except Exception as err:
+        raise ModelLoadError(f"{where}: malformed ONNX model: {str(err).splitlines()[0]}") from None
+    opset = _default_opset(model)
+    if opset < MIN_OPSET or opset > MAX_OPSET:
+        raise ModelLoadError(
+            f"{where}: ONNX opset {opset} is outside the supported range {MIN_OPSET}..{MAX_OPSET}; "
+            "convert the model with onnx.version_converter first"
+        )
+    supported = _supported_ops()
+    if supported is not None:
+        for node in model.graph.node:
+            if node.domain not in ("", "ai.onnx") or node.op_type not in supported:
+                op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+                raise UnsupportedOpError(
+                    f"{where}: operator {op} (node {node.name or '<unnamed>'!r}, output "
+                    f"{list(node.output)}) is not supported by the Relax ONNX frontend"
+                )
+
+
+def import_onnx(source, name: str | None = None) -> ImportedModel:
+    """Load (path or ModelProto), check and convert an ONNX model to a Relax IRModule."""
+    if isinstance(source, onnx.ModelProto):
+        model, where = source, name or source.graph.name or "model"
+    else:
+        model, where = read_onnx(source), str(source)
+        name = name or Path(source).stem
+    check_onnx(model, where)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            mod = from_onnx(model, keep_params_in_input=False)
+        except Exception as err:
+            raise ModelLoadError(f"{where}: the Relax ONNX frontend failed: {_last_line(err)}") from None
+    return ImportedModel(
+        mod=mod,
+        name=_safe_name(name or model.graph.name or "model"),
+        model_hash=model_hash(model),
+        inputs=_value_specs(model, model.graph.input, skip={i.name for i in model.graph.initializer}),
+        outputs=_value_specs(model, model.graph.output),
+        onnx_model=model,
+    )
+
+
+def _default_opset(model: onnx.ModelProto) -> int:
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    return 1
+
+
+def _supported_ops() -> set[str] | None:
+    try:  # private in TVM, so degrade to "let the frontend decide" if it moves
+        from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+
+        return set(_get_convert_map()) | {"Constant", "If"}
+    except Exception:  # pragma: no cover
+        return None
+
+
+def _value_specs(model, values, skip=frozenset()) -> list[TensorSpec]:
+    specs = []
+    for value in values:
+        if value.name in skip:
+            continue
+        ttype = value.type.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in ttype.shape.dim)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type).name if ttype.elem_type else "float32"
+        specs.append(TensorSpec(value.name, dims, dtype))
+    return specs
+
+
+def _safe_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "model"
+
+
+def _last_line(err: Exception) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(err).__name__)[:500]
