@@ -1,3 +1,44 @@
-"""tvm_fusion: fusion, BatchNorm-folding and layout passes for Apache TVM Relax."""
+"""tvm_fusion: BatchNorm folding, policy-driven fusion and layout passes for Apache TVM (Relax).
+
+Quick use::
+
+    import tvm_fusion
+    result = tvm_fusion.build("model.onnx", target="llvm")   # or "cuda", or a JSON target dict
+    result.export("model.so")
+    model = tvm_fusion.load("model.so")
+
+Or take the passes into your own flow: ``tvm_fusion.pipeline(target)`` is a
+``tvm.transform.Sequential``; ``tvm_fusion.pipeline_passes(target)`` the list of its passes.
+"""
 
 __version__ = "0.1.0"
+
+from .api import BuildResult, LoadedModel, build, export_library, load, optimize  # noqa: E402
+from .errors import (  # noqa: E402
+    InputError,
+    ModelLoadError,
+    TargetError,
+    TuningRecordError,
+    TvmFusionError,
+    UnsupportedOpError,
+)
+from .frontend import import_onnx  # noqa: E402
+from .passes import (  # noqa: E402
+    ApplyFusionPolicy,
+    CanonicalizeActivations,
+    FoldBatchNorm,
+    HorizontalFuse,
+    RewriteLayout,
+    explain,
+)
+from .pipeline import describe, pipeline, pipeline_passes  # noqa: E402
+from .policy import FusionPolicy, Roofline  # noqa: E402
+from .targets import parse_target  # noqa: E402
+
+__all__ = [
+    "ApplyFusionPolicy", "BuildResult", "CanonicalizeActivations", "FoldBatchNorm", "FusionPolicy",
+    "HorizontalFuse", "InputError", "LoadedModel", "ModelLoadError", "RewriteLayout", "Roofline",
+    "TargetError", "TuningRecordError", "TvmFusionError", "UnsupportedOpError", "build", "describe",
+    "explain", "export_library", "import_onnx", "load", "optimize", "parse_target", "pipeline",
+    "pipeline_passes",
+]

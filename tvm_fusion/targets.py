@@ -117,7 +117,8 @@ def check_can_build(target: tvm.target.Target) -> None:
 
 def device_for(target: tvm.target.Target, index: int = 0):
     """The runtime device for target; raises TargetError when it is absent on this machine."""
-    dev = tvm.device(target.kind.name, index)
+    kind = "cpu" if target.kind.name in ("llvm", "c") else target.kind.name
+    dev = tvm.device(kind, index)
     if not dev.exist:
         raise TargetError(f"no {target.kind.name} device {index} on this machine: cannot run {target.kind.name} code here")
     return dev

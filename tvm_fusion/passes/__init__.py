@@ -1,0 +1,17 @@
+"""tvm_fusion's Relax passes, one per module; each is a ``tvm.transform.Pass`` usable on its own."""
+
+from .apply_fusion_policy import ApplyFusionPolicy, explain, plan_module
+from .canonicalize_activations import CanonicalizeActivations
+from .fold_batch_norm import FoldBatchNorm
+from .horizontal_fuse import HorizontalFuse
+from .rewrite_layout import RewriteLayout
+
+__all__ = [
+    "ApplyFusionPolicy",
+    "CanonicalizeActivations",
+    "FoldBatchNorm",
+    "HorizontalFuse",
+    "RewriteLayout",
+    "explain",
+    "plan_module",
+]

@@ -1,0 +1,190 @@
+"""``tvm-fusion`` command line: demo (default), build, tune, explain, run.
+
+Every user-facing failure prints one ``error: ...`` line naming the file, node or target at
+fault and exits with status 2 (1 for an unexpected internal error, with the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .errors import TvmFusionError
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="an .onnx file, or the name of a bundled example (see `tvm-fusion examples`)")
+    parser.add_argument("--target", default="llvm", help="llvm | cuda | a JSON target dict (default: llvm)")
+    parser.add_argument("--arch", default=None, help="CUDA arch for --target cuda (default sm_80)")
+    parser.add_argument("--policy", default=None, help="a JSON file with a FusionPolicy (see README)")
+    parser.add_argument("--name", default=None, help="model name for tuning_logs/<name>/ (default: file stem)")
+
+
+def _add_pipeline_switches(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-fold-bn", dest="fold_batch_norm", action="store_false", help="keep BatchNorm ops")
+    parser.add_argument("--no-horizontal", dest="horizontal", action="store_const", const=False, default=None,
+                        help="disable horizontal fusion")
+    parser.add_argument("--layout", default="auto", help="auto (NCHW{c} on CPU, NHWC on CUDA) | NCHW | NHWC | NCHW8c | off")
+    parser.add_argument("--no-fusion", dest="fusion", action="store_false", help="one kernel per op (baseline)")
+
+
+def _pipeline_options(args) -> dict:
+    layout = {"auto": True, "off": False, "none": False}.get(str(args.layout).lower(), args.layout)
+    return {"fold_batch_norm": args.fold_batch_norm, "horizontal": args.horizontal, "layout": layout, "fusion": args.fusion}
+
+
+def _load_model(spec: str, name: str | None):
+    """A path, or a bundled example name when no such file exists."""
+    from . import models
+    from .frontend import import_onnx
+
+    if not Path(spec).exists() and spec in models.EXAMPLES:
+        return import_onnx(models.example(spec), name or spec)
+    return import_onnx(spec, name)
+
+
+def cmd_build(args) -> int:
+    from .api import build
+    from .targets import parse_target
+
+    target = parse_target(args.target, cuda_arch=args.arch)
+    imported = _load_model(args.model, args.name)
+    tuning_logs = None if args.no_tuning_logs else args.tuning_logs
+    result = build(imported, target, args.policy, tuning_logs=tuning_logs, **_pipeline_options(args))
+    out = Path(args.output or f"{imported.name}.{target.kind.name}.so")
+    result.export(out)
+    print(result.describe())
+    print(f"  ops by type before: {dict(sorted(result.summary.op_histogram.items()))}")
+    print(f"wrote {out} and {out}.json")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from tvm import relax
+
+    from .passes import explain
+    from .pipeline import pipeline_passes
+    from .targets import parse_target
+
+    target = parse_target(args.target, cuda_arch=args.arch)
+    imported = _load_model(args.model, args.name)
+    passes = pipeline_passes(target, args.policy, **_pipeline_options(args))
+    mod = imported.mod
+    with target:
+        for p in passes:
+            if p.info.name == "ApplyFusionPolicy":
+                break
+            mod = p(mod)
+    print(explain(mod, args.policy, target))
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from . import tuning
+    from .targets import parse_target
+
+    target = parse_target(args.target, cuda_arch=args.arch)
+    imported = _load_model(args.model, args.name)
+    result = tuning.tune_model(imported, target, policy=args.policy, trials=args.trials, log_root=args.tuning_logs,
+                               rpc=args.rpc, max_trials_per_task=args.trials_per_task, options=_pipeline_options(args))
+    print(result)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .api import load
+
+    model = load(args.module)
+    if args.inputs:
+        data = np.load(args.inputs)
+        feeds = {k: data[k] for k in data.files}
+    else:
+        rng = np.random.default_rng(0)
+        feeds = {s.name: rng.standard_normal([d if isinstance(d, int) and d > 0 else 1 for d in s.shape]).astype(s.dtype)
+                 for s in model.inputs}
+    out = model(**feeds)
+    outs = out if isinstance(out, list) else [out]
+    for i, o in enumerate(outs):
+        print(f"output {i}: shape {list(o.shape)} dtype {o.dtype} mean {float(np.mean(o)):.6g}")
+    lat = model.latency_ms(*[feeds[s.name] for s in model.inputs], number=args.number, repeat=args.repeat)
+    print(f"latency: median {np.median(lat):.3f} ms over {len(lat)} repeats")
+    return 0
+
+
+def cmd_examples(_args) -> int:
+    from . import models
+
+    for name, fn in models.EXAMPLES.items():
+        print(f"{name:20s} {(fn.__doc__ or '').strip().splitlines()[0]}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(out_dir=args.out_dir, target=args.target)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tvm-fusion", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+
+    demo = sub.add_parser("demo", help="build, export, reload and check the bundled example models (default)")
+    demo.add_argument("--out-dir", default="out")
+    demo.add_argument("--target", default="llvm")
+    demo.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("build", help="optimise and compile a model to a .so (+ .json metadata)")
+    _add_model_args(b)
+    _add_pipeline_switches(b)
+    b.add_argument("-o", "--output", default=None, help="output .so path (default <name>.<target>.so)")
+    b.add_argument("--tuning-logs", default="tuning_logs", help="root of stored tuning records (default tuning_logs)")
+    b.add_argument("--no-tuning-logs", action="store_true", help="ignore stored tuning records")
+    b.set_defaults(func=cmd_build)
+
+    e = sub.add_parser("explain", help="show the fusion groups the policy forms and why candidates were rejected")
+    _add_model_args(e)
+    _add_pipeline_switches(e)
+    e.set_defaults(func=cmd_explain)
+
+    t = sub.add_parser("tune", help="tune the fused kernels with Meta-Schedule and store the records")
+    _add_model_args(t)
+    _add_pipeline_switches(t)
+    t.add_argument("--trials", type=int, default=64, help="total measured trials (default 64)")
+    t.add_argument("--trials-per-task", type=int, default=None, help="cap per fused kernel (default: trials spread evenly)")
+    t.add_argument("--tuning-logs", default="tuning_logs", help="where records go (default tuning_logs)")
+    t.add_argument("--rpc", default=None, help="host:port:key of a TVM RPC tracker, to tune on a remote device")
+    t.set_defaults(func=cmd_tune)
+
+    r = sub.add_parser("run", help="load an exported .so and run it on random (or .npz) inputs")
+    r.add_argument("module")
+    r.add_argument("--inputs", default=None, help="an .npz file with one array per input name")
+    r.add_argument("--number", type=int, default=10)
+    r.add_argument("--repeat", type=int, default=5)
+    r.set_defaults(func=cmd_run)
+
+    x = sub.add_parser("examples", help="list the bundled example models")
+    x.set_defaults(func=cmd_examples)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["demo", *(argv or [])])
+    try:
+        return args.func(args)
+    except TvmFusionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""CanonicalizeActivations: turn exporter-spelled GELU and SiLU back into single ops.
+
+ONNX below opset 20 has no GELU, so exporters write ``x * 0.5 * (1 + erf(x / sqrt(2)))``: five ops
+whose ``x`` feeds two branches. The unique-consumer rule rightly refuses to fuse across that
+diamond, so ``matmul -> add -> gelu`` would cost three kernels instead of one. Rewriting the
+subgraph to ``R.nn.gelu(x)`` (same formula after legalisation) makes it a plain epilogue.
+Likewise ``x * sigmoid(x)`` becomes ``R.nn.silu(x)``.
+
+Matching is done on the dataflow graph (any association/commutation of the multiplies, ``x * c``
+or ``x / sqrt(2)`` inside erf); the replaced binding keeps its variable, and the now-dead
+intermediates are removed by dead-code elimination.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+
+
+def _scalar(expr, var2val) -> float | None:
+    expr = var2val.get(expr, expr) if isinstance(expr, relax.Var) else expr
+    if isinstance(expr, tvm.ir.GenericConst):
+        data = expr.value.numpy()
+        if data.size == 1:
+            return float(data.reshape(()))
+    return None
+
+
+def _op(expr, var2val, name):
+    """The call bound to ``expr`` if it is ``relax.<name>``, else None."""
+    value = var2val.get(expr) if isinstance(expr, relax.Var) else expr
+    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == f"relax.{name}":
+        return value
+    return None
+
+
+def _factors(expr, var2val, depth=2) -> list:
+    """Flatten a product tree ``a * (b * c)`` into its leaves, up to ``depth`` levels."""
+    call = _op(expr, var2val, "multiply")
+    if call is None or depth == 0:
+        return [expr]
+    return [leaf for arg in call.args for leaf in _factors(arg, var2val, depth - 1)]
+
+
+def _erf_input(expr, var2val):
+    """x if ``expr`` is ``erf(x * 1/sqrt2)`` or ``erf(x / sqrt2)``."""
+    erf = _op(expr, var2val, "erf")
+    if erf is None:
+        return None
+    inner = erf.args[0]
+    mul, div = _op(inner, var2val, "multiply"), _op(inner, var2val, "divide")
+    if mul is not None:
+        for x, c in (mul.args, mul.args[::-1]):
+            scale = _scalar(c, var2val)
+            if scale is not None and math.isclose(scale, _INV_SQRT2, rel_tol=1e-4):
+                return x
+    if div is not None:
+        scale = _scalar(div.args[1], var2val)
+        if scale is not None and math.isclose(scale, math.sqrt(2.0), rel_tol=1e-4):
+            return div.args[0]
+    return None
+
+
+def _match_gelu(var, var2val):
+    leaves = _factors(var, var2val)
+    if len(leaves) != 3:
+        return None
+    half = [l for l in leaves if (s := _scalar(l, var2val)) is not None and math.isclose(s, 0.5)]
+    if len(half) != 1:
+        return None
+    for one_plus in leaves:
+        add = _op(one_plus, var2val, "add")
+        if add is None:
+            continue
+        for erf_part, one in (add.args, add.args[::-1]):
+            if _scalar(one, var2val) != 1.0:
+                continue
+            x = _erf_input(erf_part, var2val)
+            rest = [l for l in leaves if not l.same_as(one_plus) and not l.same_as(half[0])]
+            if x is not None and len(rest) == 1 and rest[0].same_as(x):
+                return relax.op.nn.gelu(x)
+    return None
+
+
+def _match_silu(var, var2val):
+    call = _op(var, var2val, "multiply")
+    if call is None:
+        return None
+    for x, s in (call.args, call.args[::-1]):
+        sig = _op(s, var2val, "sigmoid")
+        if sig is not None and sig.args[0].same_as(x):
+            return relax.op.nn.silu(x)
+    return None
+
+
+@tvm.transform.module_pass(opt_level=0, name="CanonicalizeActivations")
+class CanonicalizeActivations:
+    """Rewrite erf-spelled GELU to ``nn.gelu`` and ``x * sigmoid(x)`` to ``nn.silu``."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        changed = False
+        for gvar, func in list(mod.functions.items()):
+            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+                continue
+            if func.attrs is not None and "Primitive" in func.attrs.keys():
+                continue
+            new_func = _rewrite(func)
+            if new_func is not None:
+                mod[gvar] = new_func
+                changed = True
+        if not changed:
+            return mod
+        return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(mod))
+
+
+def _rewrite(func: relax.Function) -> relax.Function | None:
+    var2val = relax.analysis.get_var2val(func)
+    blocks, changed = [], False
+    for block in func.body.blocks:
+        bindings = []
+        for binding in block.bindings:
+            if isinstance(binding, relax.VarBinding) and isinstance(binding.var.ty, relax.TensorType):
+                replacement = _match_gelu(binding.var, var2val)
+                if replacement is None:
+                    replacement = _match_silu(binding.var, var2val)
+                if replacement is not None and np.dtype(str(binding.var.ty.dtype)).kind == "f":
+                    binding = relax.VarBinding(binding.var, replacement)
+                    changed = True
+            bindings.append(binding)
+        blocks.append(type(block)(bindings))
+    if not changed:
+        return None
+    return relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure, func.attrs)

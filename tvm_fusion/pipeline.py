@@ -1,0 +1,127 @@
+"""The tvm_fusion pipeline: a ``tvm.transform.Sequential`` of named passes a user can reuse.
+
+Order, and why:
+
+1. ``FoldBatchNorm`` + ``FoldConstant``: BN disappears into conv/matmul weights before anything
+   counts ops, so fusion and layout see the real compute graph.
+2. ``CanonicalizeActivations``: exporters spell GELU/SiLU as erf/sigmoid arithmetic; one op fuses
+   as an epilogue, five ops with a diamond do not.
+3. ``HorizontalFuse``: sibling GEMMs/convs over one input become one (Q/K/V -> one GEMM + split).
+4. ``RewriteLayout`` + ``FoldConstant``: NCHW{c}/NHWC per target; weights transformed at compile time.
+5. ``ApplyFusionPolicy``: groups named ops into Primitive functions as the policy decides.
+6. ``LegalizeOps``, ``AnnotateTIROpPattern``, ``FoldConstant``, ``FuseTIR``: one PrimFunc per group.
+7. Schedules: tuned records (``MetaScheduleApplyDatabase``) first, then default (dlight) rules.
+
+The result is a lowered Relax module; plain ``tvm.compile(mod, target)`` finishes the build.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from .policy import FusionPolicy
+from .targets import parse_target
+
+
+def in_target(target: tvm.target.Target, inner: tvm.transform.Pass, name: str | None = None) -> tvm.transform.Pass:
+    """Run ``inner`` with ``target`` in scope (dlight and Meta-Schedule read ``Target.current()``)."""
+
+    @tvm.transform.module_pass(opt_level=0, name=name or inner.info.name)
+    def _run(mod, _ctx):
+        with target:
+            return inner(mod)
+
+    return _run
+
+
+def pipeline_passes(
+    target,
+    policy: FusionPolicy | dict | str | None = None,
+    *,
+    fold_batch_norm: bool = True,
+    horizontal: bool | None = None,
+    layout: str | bool | None = True,
+    fusion: bool = True,
+    schedule: bool = True,
+    database=None,
+) -> list[tvm.transform.Pass]:
+    """The passes of :func:`pipeline`, as a list to print, reorder or splice into your own.
+
+    Parameters
+    ----------
+    target : str | dict | Target
+        ``"llvm"``, ``"cuda"``, a JSON dict or a ``tvm.target.Target``.
+    policy : FusionPolicy | dict | path | None
+        Fusion rules (None: defaults). ``policy.horizontal`` switches horizontal fusion.
+    fold_batch_norm, fusion, schedule : bool
+        Switch stages off (``fusion=False`` gives the unfused baseline: one kernel per op).
+    horizontal : bool | None
+        Overrides ``policy.horizontal`` when not None.
+    layout : True | False | str
+        True: the per-target layout (NCHW{c} on CPU, NHWC on CUDA); a string forces one.
+    database : meta_schedule Database | None
+        Tuned records to apply before the default schedules.
+    """
+    from .passes import (
+        ApplyFusionPolicy,
+        CanonicalizeActivations,
+        FoldBatchNorm,
+        HorizontalFuse,
+        RewriteLayout,
+    )
+    from .schedules import apply_default_schedules
+
+    target = parse_target(target)
+    policy = FusionPolicy.coerce(policy)
+    horizontal = policy.horizontal if horizontal is None else horizontal
+    passes: list[tvm.transform.Pass] = []
+    if fold_batch_norm:
+        passes += [FoldBatchNorm(), relax.transform.FoldConstant()]
+    passes.append(CanonicalizeActivations())
+    if horizontal:
+        passes.append(HorizontalFuse())
+    if layout:
+        passes += [RewriteLayout(target, None if layout is True else layout), relax.transform.FoldConstant()]
+    if fusion:
+        passes.append(ApplyFusionPolicy(policy, target))
+    passes += [
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseTIR(),
+        relax.transform.DeadCodeElimination(),
+    ]
+    if schedule:
+        if database is not None:
+            passes.append(in_target(target, _apply_database(database), "MetaScheduleApplyDatabase"))
+        passes.append(in_target(target, apply_default_schedules(target), "DefaultSchedules"))
+    return passes
+
+
+def _apply_database(database) -> tvm.transform.Pass:
+    @tvm.transform.module_pass(opt_level=0, name="MetaScheduleApplyDatabase")
+    def _apply(mod, _ctx):
+        with database:
+            return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+
+    return _apply
+
+
+def pipeline(target, policy=None, **options) -> tvm.transform.Sequential:
+    """The whole tvm_fusion pipeline as one ``Sequential`` (see :func:`pipeline_passes`)."""
+    return tvm.transform.Sequential(pipeline_passes(target, policy, **options), name="tvm_fusion")
+
+
+def describe(passes: list[tvm.transform.Pass]) -> str:
+    """One line per pass, for printing what a pipeline will do."""
+    return "\n".join(f"{i + 1:2d}. {p.info.name}" for i, p in enumerate(passes))
+
+
+@relax.register_pipeline("tvm_fusion")
+def _registered_pipeline(target=None, policy=None, **options):
+    """``relax.get_pipeline("tvm_fusion", target=...)``: our passes then TVM's lowering to the VM."""
+    target = parse_target(target or "llvm")
+    return tvm.transform.Sequential(
+        [pipeline(target, policy, **options), relax.get_pipeline("default")], name="tvm_fusion_build"
+    )

@@ -1,0 +1,219 @@
+"""The fusion policy as data: which ops may fuse, how deep, and when fusing pays off.
+
+A :class:`FusionPolicy` is a plain, JSON-serialisable object. ``ApplyFusionPolicy`` (in
+``tvm_fusion.passes.apply_fusion_policy``) reads it; nothing about fusion is hard-coded in the
+pass. Users write their own policy as a dict::
+
+    policy = FusionPolicy.from_dict({"max_fusion_depth": 3,
+                                     "vertical": {"gemm": ["binary"], "binary": ["activation"]}})
+
+Ops are grouped into *classes* (``OP_CLASSES``); the ``vertical`` table says which producer
+class may hand its output to which consumer classes inside one kernel. On top of the table:
+
+* ``max_fusion_depth`` caps the number of ops in one group (default 4);
+* the unique-consumer rule: a producer whose output has several consumers (or is a function
+  output) is never fused with a consumer, because its output must be written to memory anyway
+  (this is not configurable: it is what keeps every group convex and side-effect free);
+* ``anchor_classes`` (conv, gemm) are the heavy ops; a group holds at most one, and after it only
+  ``epilogue_classes`` ops may follow, which is what schedules can fold into the anchor's tiles;
+* a roofline cost model (:class:`Roofline`) prices every candidate edge: memory time saved by not
+  writing and re-reading the intermediate, minus compute added when an inlined producer is
+  recomputed for every read, plus one kernel launch saved. An edge is fused only when the
+  benefit is at least ``benefit_threshold_us``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .errors import TvmFusionError
+
+# Op names are Relax op names without the "relax." prefix.
+OP_CLASSES: dict[str, list[str]] = {
+    "conv": ["nn.conv1d", "nn.conv2d", "nn.conv3d", "nn.conv1d_transpose", "nn.conv2d_transpose"],
+    "gemm": ["matmul", "nn.linear"],
+    "binary": ["add", "subtract", "multiply", "divide", "maximum", "minimum", "power"],
+    "activation": [
+        "nn.relu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "nn.leakyrelu", "nn.softplus", "sigmoid",
+        "tanh", "clip", "erf", "exp", "log", "sqrt", "rsqrt", "negative", "abs", "square", "astype",
+    ],
+    "injective": [
+        "reshape", "permute_dims", "layout_transform", "expand_dims", "squeeze", "flatten",
+        "broadcast_to", "strided_slice",
+    ],
+    "norm": ["nn.layer_norm", "nn.rms_norm", "nn.group_norm"],
+    "softmax": ["nn.softmax", "nn.log_softmax"],
+    "dropout": ["nn.dropout"],
+    "pool": ["nn.max_pool2d", "nn.avg_pool2d", "nn.adaptive_avg_pool2d"],
+    "reduce": ["mean", "sum", "max", "min", "variance"],
+}
+
+ELEMENTWISE = ["binary", "activation"]
+
+DEFAULT_VERTICAL: dict[str, list[str]] = {
+    # anchor -> bias add / residual add / activation epilogue
+    "conv": ELEMENTWISE,
+    "gemm": ELEMENTWISE,
+    # elementwise chains, and elementwise prologues of normalisations (residual add -> layer_norm)
+    "binary": ELEMENTWISE + ["injective", "norm", "softmax", "reduce"],
+    "activation": ELEMENTWISE + ["injective", "norm", "softmax", "reduce"],
+    "injective": ["injective"] + ELEMENTWISE,
+    # layer_norm -> matmul (prologue of the next projection), softmax -> dropout
+    "norm": ["gemm"] + ELEMENTWISE,
+    "softmax": ["dropout"] + ELEMENTWISE,
+    "pool": ELEMENTWISE,
+    "reduce": ELEMENTWISE + ["injective"],
+}
+
+# Rough FLOPs per output element, for the cost model. Anything unlisted counts 1.
+FLOPS_PER_ELEMENT: dict[str, float] = {
+    "nn.gelu": 14, "nn.gelu_tanh": 12, "nn.silu": 5, "sigmoid": 4, "tanh": 6, "erf": 8, "exp": 4,
+    "log": 4, "nn.softplus": 8, "clip": 2, "power": 8, "rsqrt": 2, "nn.layer_norm": 8,
+    "nn.rms_norm": 6, "nn.group_norm": 8, "nn.softmax": 6, "nn.log_softmax": 7,
+}
+
+# How many times a reduction consumer reads each input element (mean, variance, normalise).
+REDUCTION_PASSES: dict[str, int] = {"nn.layer_norm": 3, "nn.rms_norm": 2, "nn.group_norm": 3, "nn.softmax": 3, "nn.log_softmax": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """Machine limits the cost model prices bytes and FLOPs with.
+
+    Presets are fixed (not measured at compile time) so that the same model and target always
+    fuse the same way; tuning records are keyed on the kernels fusion produces.
+    ``Roofline.measure()`` gives this machine's numbers for reports and custom policies.
+    """
+
+    bandwidth_gbps: float
+    peak_gflops: float
+    launch_overhead_us: float
+    cache_bytes: int
+
+    @classmethod
+    def for_target(cls, target) -> "Roofline":
+        kind = getattr(getattr(target, "kind", None), "name", "llvm")
+        if kind == "cuda":  # A100-class: HBM2e, fp32 CUDA cores, ~5 us launch, 40 MB L2
+            return cls(bandwidth_gbps=1500.0, peak_gflops=19500.0, launch_overhead_us=5.0, cache_bytes=40 << 20)
+        cores = 1
+        if target is not None and "num-cores" in target.attrs:
+            cores = int(target.attrs["num-cores"])
+        # Per AVX2 core: 2 FMA x 8 lanes x ~3 GHz = ~96 GFLOP/s peak; ~12 GB/s of DRAM bandwidth.
+        return cls(bandwidth_gbps=12.0 * cores, peak_gflops=96.0 * cores, launch_overhead_us=1.0, cache_bytes=1 << 20)
+
+    @classmethod
+    def measure(cls, size_mb: int = 64, gemm_n: int = 512) -> "Roofline":
+        """Measure copy bandwidth and GEMM FLOP/s with numpy on this machine (takes ~1 s)."""
+        import time
+
+        import numpy as np
+
+        src = np.ones(size_mb << 18, dtype=np.float32)
+        dst = np.empty_like(src)
+        best = math.inf
+        for _ in range(5):
+            start = time.perf_counter()
+            np.copyto(dst, src)
+            best = min(best, time.perf_counter() - start)
+        bandwidth = 2 * src.nbytes / best / 1e9  # read + write
+        a = np.ones((gemm_n, gemm_n), dtype=np.float32)
+        best = math.inf
+        for _ in range(5):
+            start = time.perf_counter()
+            a @ a
+            best = min(best, time.perf_counter() - start)
+        gflops = 2 * gemm_n**3 / best / 1e9
+        return cls(bandwidth_gbps=round(bandwidth, 1), peak_gflops=round(gflops, 1), launch_overhead_us=1.0, cache_bytes=1 << 20)
+
+    def seconds(self, bytes_moved: float, flops: float) -> float:
+        """Roofline time: the larger of memory time and compute time."""
+        return max(bytes_moved / (self.bandwidth_gbps * 1e9), flops / (self.peak_gflops * 1e9))
+
+
+@dataclasses.dataclass
+class FusionPolicy:
+    """Which op pairs may fuse, how deep groups get, and the cost model's threshold."""
+
+    vertical: dict[str, list[str]] = dataclasses.field(default_factory=lambda: {k: list(v) for k, v in DEFAULT_VERTICAL.items()})
+    op_classes: dict[str, list[str]] = dataclasses.field(default_factory=lambda: {k: list(v) for k, v in OP_CLASSES.items()})
+    max_fusion_depth: int = 4
+    anchor_classes: list[str] = dataclasses.field(default_factory=lambda: ["conv", "gemm"])
+    epilogue_classes: list[str] = dataclasses.field(default_factory=lambda: list(ELEMENTWISE))
+    benefit_threshold_us: float = 0.0
+    use_cost_model: bool = True
+    roofline: Roofline | None = None  # None: the preset for the build target
+    horizontal: bool = True
+
+    def __post_init__(self):
+        self.validate()
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "FusionPolicy":
+        """Build from a plain dict; missing keys keep their defaults, unknown keys are errors."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise TvmFusionError(f"unknown fusion policy key(s) {unknown}; valid keys: {sorted(fields)}")
+        data = dict(data)
+        if isinstance(data.get("roofline"), dict):
+            data["roofline"] = Roofline(**data["roofline"])
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "FusionPolicy":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise TvmFusionError(f"{path}: cannot read fusion policy: {err}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def coerce(cls, policy: "FusionPolicy | dict | str | Path | None") -> "FusionPolicy":
+        """Accept a policy, a dict, a JSON file path, or None (the default policy)."""
+        if policy is None:
+            return cls()
+        if isinstance(policy, FusionPolicy):
+            return policy
+        if isinstance(policy, dict):
+            return cls.from_dict(policy)
+        return cls.from_json(policy)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "FusionPolicy":
+        return dataclasses.replace(self, **changes)
+
+    # -- queries --------------------------------------------------------------------------
+    def validate(self) -> None:
+        if not isinstance(self.max_fusion_depth, int) or self.max_fusion_depth < 1:
+            raise TvmFusionError(f"max_fusion_depth must be an integer >= 1, got {self.max_fusion_depth!r}")
+        known = set(self.op_classes)
+        for producer, consumers in self.vertical.items():
+            for name in [producer, *consumers]:
+                if name not in known:
+                    raise TvmFusionError(f"fusion policy names op class {name!r}, which is not in op_classes {sorted(known)}")
+        for name in [*self.anchor_classes, *self.epilogue_classes]:
+            if name not in known:
+                raise TvmFusionError(f"fusion policy names op class {name!r}, which is not in op_classes {sorted(known)}")
+
+    def op_class(self, op_name: str) -> str | None:
+        """The class of a Relax op name ("relax.nn.conv2d" or "nn.conv2d"), or None if unclassified."""
+        name = op_name.removeprefix("relax.")
+        for cls_name, ops in self.op_classes.items():
+            if name in ops:
+                return cls_name
+        return None
+
+    def allows(self, producer_class: str | None, consumer_class: str | None) -> bool:
+        if producer_class is None or consumer_class is None:
+            return False
+        return consumer_class in self.vertical.get(producer_class, ())
+
+    def is_anchor(self, op_class: str | None) -> bool:
+        return op_class in self.anchor_classes

@@ -1,0 +1,128 @@
+"""IR statistics for summaries, tests and benchmarks: ops, kernels, fused groups, layout transforms."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import tvm
+from tvm import relax
+
+
+def _relax_functions(mod: tvm.IRModule):
+    for gvar, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            yield gvar, func
+
+
+def _calls(mod: tvm.IRModule, include_primitive: bool = False):
+    """Every relax.Call in the module's (non-primitive) Relax functions."""
+    found = []
+    for _, func in _relax_functions(mod):
+        if not include_primitive and func.attrs is not None and "Primitive" in func.attrs.keys():
+            continue
+        relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.Call) else None)
+    return found
+
+
+def op_counts(mod: tvm.IRModule) -> collections.Counter:
+    """High-level Relax op calls (before legalisation), by op name."""
+    counts = collections.Counter()
+    for call in _calls(mod):
+        if isinstance(call.op, tvm.ir.Op) and not call.op.name.startswith(("relax.call_", "relax.builtin", "relax.memory", "relax.vm")):
+            counts[call.op.name.removeprefix("relax.")] += 1
+    return counts
+
+
+def kernel_calls(mod: tvm.IRModule) -> list[str]:
+    """Names of the PrimFuncs main launches, one entry per launch (call_tir or direct call)."""
+    names = []
+    for call in _calls(mod):
+        if isinstance(call.op, tvm.ir.Op) and call.op.name in ("relax.call_tir", "relax.call_tir_inplace"):
+            names.append(call.args[0].name_hint)
+        elif isinstance(call.op, tvm.ir.GlobalVar) and isinstance(mod[call.op], tvm.tirx.PrimFunc):
+            names.append(call.op.name_hint)
+    return names
+
+
+def _is_view(func: tvm.tirx.PrimFunc) -> bool:
+    """A pure reshape PrimFunc; RewriteDataflowReshape turns its launch into a free view."""
+    return func.attrs is not None and "op_pattern" in func.attrs and int(func.attrs["op_pattern"]) == 8
+
+
+@dataclasses.dataclass
+class Summary:
+    ops: int  # high-level ops in the imported module
+    kernels: int  # kernel launches after the pipeline (reshape views excluded)
+    fused_groups: int  # kernels made from more than one op
+    layout_transforms: int
+    op_histogram: dict
+
+    def format(self) -> str:
+        return (f"ops {self.ops} -> kernels {self.kernels} ({self.fused_groups} fused groups), "
+                f"layout transforms left {self.layout_transforms}")
+
+
+def count_layout_transforms(mod: tvm.IRModule) -> int:
+    """relax.layout_transform calls plus launches of layout-transform PrimFuncs."""
+    high = op_counts(mod).get("layout_transform", 0)
+    low = sum(1 for name in kernel_calls(mod) if "layout_transform" in name)
+    return high + low
+
+
+def kernel_count(mod: tvm.IRModule) -> int:
+    return sum(1 for name in kernel_calls(mod) if not _is_view(mod[mod.get_global_var(name)]))
+
+
+def fused_kernel_count(mod: tvm.IRModule) -> int:
+    """Kernels whose PrimFunc holds more than one compute op (blocks other than pads)."""
+    count = 0
+    for name in kernel_calls(mod):
+        func = mod[mod.get_global_var(name)]
+        if _is_view(func):
+            continue
+        count += _compute_blocks(func) > 1
+    return count
+
+
+def _compute_blocks(func: tvm.tirx.PrimFunc) -> int:
+    """Blocks under the root, not counting padding (it is part of the conv that reads it)."""
+    sch = tvm.s_tir.Schedule(func)
+    try:
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    except Exception:  # a PrimFunc without a root block: one opaque kernel
+        return 1
+    names = [sch.get(b).name_hint for b in blocks]
+    return sum(1 for n in names if not n.startswith(("pad", "T_pad", "PadInput", "data_pad")))
+
+
+def summarize(before: tvm.IRModule, after: tvm.IRModule) -> Summary:
+    hist = op_counts(before)
+    return Summary(
+        ops=sum(hist.values()),
+        kernels=kernel_count(after),
+        fused_groups=fused_kernel_count(after),
+        layout_transforms=count_layout_transforms(after),
+        op_histogram=dict(hist),
+    )
+
+
+def estimated_bytes(mod: tvm.IRModule) -> int:
+    """Bytes main reads and writes at kernel boundaries (a roofline lower bound on traffic)."""
+    total = 0
+    for call in _calls(mod):
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.call_tir":
+            args = call.args[1].fields if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
+            for expr in [*args, call]:
+                total += _tensor_bytes(expr.ty)
+    return total
+
+
+def _tensor_bytes(ty) -> int:
+    if isinstance(ty, relax.TupleType):
+        return sum(_tensor_bytes(f) for f in ty.fields)
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return 0
+    dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else 1 for d in ty.shape.values]
+    return int(np.prod(dims, dtype=np.int64)) * np.dtype(str(ty.dtype)).itemsize
