@@ -63,16 +63,16 @@ def check_onnx(model: onnx.ModelProto, where: str = "model") -> None:
     """Structural, opset and operator-support checks, before the frontend's own errors can fire."""
     if len(model.graph.node) == 0:
         raise ModelLoadError(f"{where}: the ONNX graph has no nodes (empty or truncated file?)")
-    try:
-        onnx.checker.check_model(model)
-    except Exception as err:
-        raise ModelLoadError(f"{where}: malformed ONNX model: {str(err).splitlines()[0]}") from None
     opset = _default_opset(model)
     if opset < MIN_OPSET or opset > MAX_OPSET:
         raise ModelLoadError(
             f"{where}: ONNX opset {opset} is outside the supported range {MIN_OPSET}..{MAX_OPSET}; "
             "convert the model with onnx.version_converter first"
         )
+    try:
+        onnx.checker.check_model(model)
+    except Exception as err:
+        raise ModelLoadError(f"{where}: malformed ONNX model: {str(err).splitlines()[0]}") from None
     supported = _supported_ops()
     if supported is not None:
         for node in model.graph.node:

@@ -1,0 +1,60 @@
+"""CanonicalizeActivations: exporter-spelled GELU / SiLU become one op, numerics unchanged."""
+
+import math
+
+import numpy as np
+import pytest
+from tvm import relax
+
+from conftest import max_abs_err, ort_run, run_relax
+from tvm_fusion import models
+from tvm_fusion.frontend import import_onnx
+from tvm_fusion.passes import CanonicalizeActivations
+from tvm_fusion.report import op_counts
+
+
+def gelu_model(variant):
+    g = models.GraphBuilder(f"gelu_{variant}")
+    x = g.input("input", (2, 32))
+    c = lambda v: g.const("c", np.array(v, np.float32))  # noqa: E731
+    if variant == "mul_half_first":  # x * 0.5 * (1 + erf(x * 1/sqrt2))
+        erf = g.op("Erf", [g.op("Mul", [x, c(1 / math.sqrt(2))])])
+        y = g.op("Mul", [g.op("Mul", [x, c(0.5)]), g.op("Add", [erf, c(1.0)])])
+    elif variant == "torch_div":  # (x * (1 + erf(x / sqrt2))) * 0.5, as torch.onnx emits
+        erf = g.op("Erf", [g.op("Div", [x, c(math.sqrt(2))])])
+        y = g.op("Mul", [g.op("Mul", [x, g.op("Add", [c(1.0), erf])]), c(0.5)])
+    else:  # silu
+        y = g.op("Mul", [x, g.op("Sigmoid", [x])])
+    return g.finish([g.relu(y)])
+
+
+@pytest.mark.parametrize("variant,op", [("mul_half_first", "nn.gelu"), ("torch_div", "nn.gelu"), ("silu", "nn.silu")])
+def test_rewrites_to_single_op(variant, op):
+    model = gelu_model(variant)
+    mod = relax.transform.FoldConstant()(import_onnx(model).mod)
+    out = CanonicalizeActivations()(mod)
+    relax.analysis.well_formed(out)
+    counts = op_counts(out)
+    assert counts[op] == 1
+    assert counts.get("erf", 0) == 0 and counts.get("sigmoid", 0) == 0 and counts.get("multiply", 0) == 0
+    feeds = models.random_inputs(model)
+    assert max_abs_err(run_relax(out, feeds), ort_run(model, feeds)) < 1e-5
+
+
+def test_wrong_constant_is_not_gelu():
+    g = models.GraphBuilder("not_gelu")
+    x = g.input("input", (2, 8))
+    erf = g.op("Erf", [g.op("Mul", [x, g.const("c", np.array(0.5, np.float32))])])  # 0.5, not 1/sqrt2
+    y = g.op("Mul", [g.op("Mul", [x, g.const("h", np.array(0.5, np.float32))]), g.op("Add", [erf, g.const("o", np.array(1.0, np.float32))])])
+    mod = relax.transform.FoldConstant()(import_onnx(g.finish([y])).mod)
+    assert op_counts(CanonicalizeActivations()(mod)).get("nn.gelu", 0) == 0
+
+
+def test_transformer_block_gelu_becomes_matmul_epilogue(example):
+    from tvm_fusion.passes import ApplyFusionPolicy
+
+    model, feeds = example("transformer_block")
+    mod = CanonicalizeActivations()(relax.transform.FoldConstant()(import_onnx(model).mod))
+    fused = ApplyFusionPolicy()(mod)
+    names = [gv.name_hint for gv in fused.functions]
+    assert any(n.endswith("matmul_add_gelu") for n in names), names

@@ -1,0 +1,176 @@
+"""ApplyFusionPolicy: groups follow the policy table, depth cap, unique-consumer rule, cost model."""
+
+import json
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from conftest import max_abs_err, ort_run, run_relax
+from tvm_fusion import FusionPolicy, Roofline, models
+from tvm_fusion.errors import TvmFusionError
+from tvm_fusion.frontend import import_onnx
+from tvm_fusion.passes import ApplyFusionPolicy, FoldBatchNorm, plan_module
+from tvm_fusion.pipeline import pipeline
+from tvm_fusion.report import kernel_calls, kernel_count, op_counts
+
+LOWER = tvm.transform.Sequential([
+    relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),
+    relax.transform.FuseTIR(), relax.transform.DeadCodeElimination(),
+])
+
+
+def imported(model):
+    return relax.transform.FoldConstant()(import_onnx(model).mod)
+
+
+def group_sizes(mod, policy=None, target="llvm"):
+    (report,) = plan_module(mod, policy, target)
+    return [len(g.nodes) for g in report.groups]
+
+
+def primitive_functions(mod):
+    return [gv.name_hint for gv, f in mod.functions.items()
+            if isinstance(f, relax.Function) and f.attrs is not None and "Primitive" in f.attrs.keys()]
+
+
+def activation_chain(n=6, shape=(1, 64)):
+    g = models.GraphBuilder("chain")
+    h = g.input("input", shape)
+    for op in (["Relu", "Sigmoid", "Tanh"] * n)[:n]:
+        h = g.op(op, [h])
+    return g.finish([h])
+
+
+@pytest.mark.parametrize("depth,expected", [(4, [4, 2]), (2, [2, 2, 2]), (1, [1] * 6), (8, [6])])
+def test_max_fusion_depth_caps_group_size(depth, expected):
+    mod = imported(activation_chain(6))
+    assert group_sizes(mod, FusionPolicy(max_fusion_depth=depth)) == expected
+
+
+def test_depth_groups_run_correctly_and_become_one_kernel_each():
+    model = activation_chain(6)
+    feeds = models.random_inputs(model)
+    fused = ApplyFusionPolicy(FusionPolicy(max_fusion_depth=4), "llvm")(imported(model))
+    assert len(primitive_functions(fused)) == 2
+    lowered = LOWER(fused)
+    assert kernel_count(lowered) == 2
+    assert max_abs_err(run_relax(lowered, feeds), ort_run(model, feeds)) < 1e-6
+
+
+def test_unique_consumer_rule_keeps_shared_producer_unfused():
+    g = models.GraphBuilder("diamond")
+    x = g.input("input", (1, 8, 8, 8))
+    c = g.conv(x, 8, 8, bias=False)
+    out = g.add(g.relu(c), g.op("Sigmoid", [c]))
+    model = g.finish([out])
+    mod = imported(model)
+    (report,) = plan_module(mod, None, "llvm")
+    conv_group = next(gr for gr in report.groups if gr.nodes[0].op_name == "nn.conv2d")
+    assert len(conv_group.nodes) == 1
+    assert any("2 consumers (unique-consumer rule)" in d.reason for d in report.decisions)
+    feeds = models.random_inputs(model)
+    assert max_abs_err(run_relax(LOWER(ApplyFusionPolicy()(mod)), feeds), ort_run(model, feeds)) < 1e-5
+
+
+def test_user_policy_table_is_obeyed():
+    model = models.mlp_bn()
+    mod = imported(model)
+    default_groups = primitive_functions(ApplyFusionPolicy()(mod))
+    assert any(name.startswith("fused_matmul_add") for name in default_groups)
+    no_gemm = FusionPolicy.from_dict({"vertical": {"binary": ["activation"]}})
+    fused = ApplyFusionPolicy(no_gemm)(mod)
+    assert not any("matmul" in name for name in primitive_functions(fused))
+    assert "pair gemm -> binary is not in the policy table" in tvm_fusion_explain(mod, no_gemm)
+
+
+def tvm_fusion_explain(mod, policy):
+    from tvm_fusion import explain
+
+    return explain(mod, policy, "llvm")
+
+
+def test_benefit_threshold_rejects_everything_when_high():
+    mod = imported(activation_chain(4))
+    policy = FusionPolicy(benefit_threshold_us=1e6)
+    assert group_sizes(mod, policy) == [1, 1, 1, 1]
+    assert "cost model: benefit" in tvm_fusion_explain(mod, policy)
+    assert group_sizes(mod, policy.replace(use_cost_model=False)) == [4]
+
+
+def _relu_then_matmul(n_out):
+    g = models.GraphBuilder("relu_matmul")
+    x = g.input("input", (64, 256))
+    y = g.op("MatMul", [g.relu(x), g.weight("w", (256, n_out))])
+    return g.finish([y])
+
+
+def test_cost_model_prices_prologue_recompute_by_reuse():
+    """relu -> matmul fused as a prologue recomputes relu once per output column (N times)."""
+    policy = FusionPolicy.from_dict({"vertical": {"activation": ["gemm"]}})
+    narrow = imported(_relu_then_matmul(2))  # each relu output read twice: cheap to recompute
+    wide = imported(_relu_then_matmul(4096))  # read 4096 times: recompute costs more than it saves
+    assert group_sizes(narrow, policy) == [2]
+    assert group_sizes(wide, policy) == [1, 1]
+    assert "recomputes" in tvm_fusion_explain(wide, policy)
+
+
+def test_layer_norm_feeds_matmul_as_prologue(example):
+    model, feeds = example("transformer_block")
+    mod = imported(model)
+    names = primitive_functions(ApplyFusionPolicy()(mod))
+    assert any(n.startswith("fused_layer_norm_matmul") for n in names), names
+
+
+def test_resnet_kernel_count_beats_stock_and_halves_ops(example, cpu_target):
+    model, feeds = example("resnet_block_net")
+    mod = import_onnx(model).mod
+    unfused_ops = sum(op_counts(mod).values())
+    with cpu_target:
+        stock = relax.get_pipeline("zero")(mod)
+        ours = pipeline(cpu_target)(mod)
+    assert kernel_count(ours) <= kernel_count(stock)
+    assert kernel_count(ours) <= 0.5 * unfused_ops
+    assert max_abs_err(run_relax(ours, feeds, cpu_target), ort_run(model, feeds)) < 1e-4
+
+
+def test_each_group_is_one_kernel(example):
+    """Every call of a fused group becomes exactly one kernel launch after FuseTIR."""
+    import collections
+
+    model, _ = example("transformer_block")
+    fused = ApplyFusionPolicy()(imported(model))
+    groups = set(primitive_functions(fused))
+    calls = []
+    relax.analysis.post_order_visit(fused["main"], lambda e: calls.append(e.op.name_hint)
+                                    if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.GlobalVar) else None)
+    group_calls = collections.Counter(c for c in calls if c in groups)
+    launched = collections.Counter(k for k in kernel_calls(LOWER(fused)) if k in groups)
+    assert sum(group_calls.values()) >= 8
+    assert launched == group_calls
+
+
+def test_policy_round_trips_through_json(tmp_path):
+    policy = FusionPolicy(max_fusion_depth=3, benefit_threshold_us=0.5, roofline=Roofline(10.0, 50.0, 1.0, 1 << 20))
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps(policy.to_dict()))
+    again = FusionPolicy.coerce(str(path))
+    assert again == policy
+
+
+def test_policy_rejects_unknown_keys_and_classes():
+    with pytest.raises(TvmFusionError, match="unknown fusion policy key"):
+        FusionPolicy.from_dict({"max_depth": 3})
+    with pytest.raises(TvmFusionError, match="not in op_classes"):
+        FusionPolicy.from_dict({"vertical": {"gemm": ["bogus"]}})
+    with pytest.raises(TvmFusionError, match="max_fusion_depth"):
+        FusionPolicy(max_fusion_depth=0)
+
+
+def test_roofline_presets_differ_per_target():
+    from tvm_fusion.targets import parse_target
+
+    cpu, gpu = Roofline.for_target(parse_target("llvm")), Roofline.for_target(parse_target("cuda"))
+    assert gpu.bandwidth_gbps > 10 * cpu.bandwidth_gbps
+    assert gpu.launch_overhead_us > cpu.launch_overhead_us

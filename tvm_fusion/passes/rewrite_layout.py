@@ -1,0 +1,764 @@
+"""RewriteLayout: move whole conv regions to the target's preferred activation layout.
+
+Runs on high-level Relax (before LegalizeOps). Per target:
+
+* CUDA (and other GPU kinds): ``NHWC`` activations, ``OHWI`` kernels. dlight's ``gpu.Matmul`` rule
+  schedules NHWC/OHWI and NHWC/HWIO convs alike; OHWI keeps the reduction channel innermost in
+  both operands (like a matmul with a transposed B), and is what stock ConvertLayout uses.
+* LLVM CPU: blocked ``NCHW{b}c`` activations, ``OIHW{i}i{o}o`` kernels, with ``b`` = SIMD width /
+  32 (8 on AVX2). ``tvm.target.codegen.llvm_get_vector_width`` reports 512 bits for znver3 and
+  haswell in TVM 0.27 (wrong for AVX2), so on x86 the width comes from the CPU features instead.
+
+Why not the stock passes alone (TVM 0.27):
+
+* ``relax.transform.ConvertLayout`` handles NHWC, but it segfaults on ``NCHW8c``; and Relax's
+  conv2d legalization refuses blocked layouts ("channel chunk ... cannot be legalized").
+  We keep ``R.nn.conv2d`` with ``data_layout="NCHW8c"`` in the IR (struct-info inference accepts
+  it) and register a legalization for it (:func:`legalize_conv2d_nchwc`), which emits our own TE
+  compute for NCHWc conv (the topi ``conv2d_NCHWc`` needs a target in scope and folds the input
+  channel into one reduce axis). Other layouts go to the stock legalization unchanged.
+* ``relax.transform.OptimizeLayoutTransform`` cancels a pair of layout_transforms when the shapes
+  match, without checking that the maps compose to the identity; we check the composition.
+
+A conv whose channels the block size does not divide stays NCHW, with one exception: a conv with
+fewer input channels than the block (an RGB stem) reads ``NCHW{Cin}c`` (a single chunk) and
+writes ``NCHW{b}c``, as the x86 schedules in TVM do, so the model input needs just one transform.
+Layout-agnostic ops (elementwise, per-channel broadcast against constants, pools, spatial mean)
+follow their input into the new layout, so a ``layout_transform`` remains only where a region
+ends (model output, reshape/flatten/matmul, unsupported ops). Constants are transformed in numpy
+at compile time, so no ``layout_transform`` of a constant is ever emitted.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax, te, topi
+from tvm.ir import Op
+
+__all__ = ["RewriteLayout", "count_layout_transforms", "choose_layout", "legalize_conv2d_nchwc"]
+
+_Const = tvm.ir.expr.Constant
+_LT = Op.get("relax.layout_transform")
+_CALL_TIR = Op.get("relax.call_tir")
+
+_UNARY = {
+    "relax.nn.relu", "relax.clip", "relax.nn.silu", "relax.nn.gelu", "relax.nn.gelu_tanh",
+    "relax.sigmoid", "relax.tanh", "relax.exp", "relax.negative", "relax.abs", "relax.sqrt",
+    "relax.rsqrt", "relax.square", "relax.astype", "relax.nn.leakyrelu", "relax.erf",
+}
+_BINARY = {
+    "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum",
+    "relax.minimum", "relax.power",
+}
+_POOL = {"relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d"}
+_GPU_KINDS = {"cuda", "rocm", "vulkan", "metal", "opencl", "webgpu"}
+
+
+# ------------------------------------------------------------------------------------------------
+# layouts
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Layout:
+    """An activation layout for 4-D NCHW tensors: ``NHWC`` (block == 0) or ``NCHW{block}c``."""
+
+    block: int
+
+    @property
+    def name(self) -> str:
+        return "NHWC" if self.block == 0 else f"NCHW{self.block}c"
+
+    @property
+    def spatial_axes(self) -> list[int]:
+        return [1, 2] if self.block == 0 else [2, 3]
+
+    def fits(self, channels: int) -> bool:
+        return self.block == 0 or channels % self.block == 0
+
+    def new_shape(self, shape) -> list[int]:
+        n, c, h, w = shape
+        return [n, h, w, c] if self.block == 0 else [n, c // self.block, h, w, self.block]
+
+    def to_map(self):
+        b = self.block
+        if b == 0:
+            return lambda n, c, h, w: (n, h, w, c)
+        return lambda n, c, h, w: (n, c // b, h, w, c % b)
+
+    def from_map(self):
+        b = self.block
+        if b == 0:
+            return lambda n, h, w, c: (n, c, h, w)
+        return lambda n, co, h, w, ci: (n, co * b + ci, h, w)
+
+    def np_act(self, arr: np.ndarray) -> np.ndarray:
+        """Transform a 4-D NCHW array whose C dim is 1 or divisible by the block (broadcast ok)."""
+        if self.block == 0:
+            return np.ascontiguousarray(arr.transpose(0, 2, 3, 1))
+        n, c, h, w = arr.shape
+        if c == 1:
+            return np.ascontiguousarray(arr.reshape(n, 1, h, w, 1))
+        b = self.block
+        return np.ascontiguousarray(arr.reshape(n, c // b, b, h, w).transpose(0, 1, 3, 4, 2))
+
+
+def _parse_layout(layout) -> _Layout | None:
+    if layout is None:
+        return None
+    if isinstance(layout, _Layout):
+        return layout
+    text = str(layout).strip()
+    if text == "NHWC":
+        return _Layout(0)
+    m = re.fullmatch(r"NCHW(\d+)c", text)
+    if m and int(m.group(1)) > 0:
+        return _Layout(int(m.group(1)))
+    raise ValueError(f"RewriteLayout: unsupported layout {layout!r}; use 'NHWC', 'NCHW<n>c', 'NCHW' or None")
+
+
+def _cpu_block(target: tvm.target.Target) -> int:
+    """fp32 lanes of the widest SIMD register the CPU has."""
+    from tvm.target import codegen
+
+    def has(feature):
+        try:
+            return bool(codegen.target_has_features(feature, target))
+        except Exception:
+            return False
+
+    if has("avx512f"):
+        return 16
+    if has("avx") or has("avx2"):
+        return 8
+    if has("sse2"):
+        return 4
+    try:
+        bits = int(codegen.llvm_get_vector_width(target))
+    except Exception:
+        bits = -1
+    return max(bits // 32, 4) if bits > 0 else 4
+
+
+def choose_layout(target=None, layout="auto") -> str:
+    """The activation layout RewriteLayout uses: 'NHWC', 'NCHW<b>c' or 'NCHW' (no change)."""
+    if layout not in (None, "auto"):
+        return "NCHW" if str(layout) == "NCHW" else _parse_layout(layout).name
+    if target is None:
+        target = tvm.target.Target.current(allow_none=True)
+    if target is None:
+        from ..targets import parse_target
+
+        target = parse_target("llvm")
+    elif not isinstance(target, tvm.target.Target):
+        from ..targets import parse_target
+
+        target = parse_target(target)
+    kind = target.kind.name
+    if kind in _GPU_KINDS:
+        return "NHWC"
+    if kind == "llvm":
+        return f"NCHW{_cpu_block(target)}c"
+    return "NCHW"
+
+
+# ------------------------------------------------------------------------------------------------
+# NCHWc conv2d legalization (Relax 0.27 refuses blocked conv layouts)
+# ------------------------------------------------------------------------------------------------
+_NCHWC_RE = re.compile(r"NCHW(\d+)c")
+_OIHWIO_RE = re.compile(r"OIHW(\d+)i(\d+)o")
+
+
+def _nchwc_conv_te(data, kernel, strides, padding, dilation, depthwise, out_dtype):
+    """TE compute for NCHW{ib}c x OIHW{ib}i{ob}o -> NCHW{ob}c (or depthwise OIHW1i{b}o).
+
+    Blocks: ``data_pad`` (only if padding), then ``conv2d_NCHWc`` / ``depthwise_conv2d_NCHWc``,
+    spatial iters (n, oc_chunk, oh, ow, oc_block) and reduce iters (ic_chunk, kh, kw, ic_block)
+    (depthwise: (kh, kw)).
+    """
+    n, ic_chunk, ih, iw, ic_bn = (int(x) for x in data.shape)
+    oc_chunk, k_icc, kh_, kw_, k_icb, oc_bn = (int(x) for x in kernel.shape)
+    sh, sw = (int(s) for s in strides)
+    dh, dw = (int(d) for d in dilation)
+    pt, pl, pb, pr = (int(p) for p in padding)
+    oh_ = (ih + pt + pb - (kh_ - 1) * dh - 1) // sh + 1
+    ow_ = (iw + pl + pr - (kw_ - 1) * dw - 1) // sw + 1
+    if pt or pl or pb or pr:
+        data = topi.nn.pad(data, [0, 0, pt, pl, 0], [0, 0, pb, pr, 0], name="data_pad")
+    out_dtype = out_dtype or data.dtype
+    kh = te.reduce_axis((0, kh_), name="kh")
+    kw = te.reduce_axis((0, kw_), name="kw")
+    if depthwise:
+        return te.compute(
+            (n, oc_chunk, oh_, ow_, oc_bn),
+            lambda b, occ, oh, ow, ocb: te.sum(
+                data[b, occ, oh * sh + kh * dh, ow * sw + kw * dw, ocb].astype(out_dtype)
+                * kernel[occ, 0, kh, kw, 0, ocb].astype(out_dtype),
+                axis=[kh, kw],
+            ),
+            name="depthwise_conv2d_NCHWc",
+        )
+    icc = te.reduce_axis((0, ic_chunk), name="ic_chunk")
+    icb = te.reduce_axis((0, ic_bn), name="ic_block")
+    return te.compute(
+        (n, oc_chunk, oh_, ow_, oc_bn),
+        lambda b, occ, oh, ow, ocb: te.sum(
+            data[b, icc, oh * sh + kh * dh, ow * sw + kw * dw, icb].astype(out_dtype)
+            * kernel[occ, icc, kh, kw, icb, ocb].astype(out_dtype),
+            axis=[icc, kh, kw, icb],
+        ),
+        name="conv2d_NCHWc",
+    )
+
+
+def legalize_conv2d_nchwc(bb: relax.BlockBuilder, call: relax.Call):
+    """Legalize an NCHW{i}c conv2d (kernel OIHW{i}i{o}o, out NCHW{o}c); None if not that form."""
+    attrs = call.attrs
+    dm = _NCHWC_RE.fullmatch(str(attrs.data_layout))
+    om = _NCHWC_RE.fullmatch(str(attrs.out_layout))
+    km = _OIHWIO_RE.fullmatch(str(attrs.kernel_layout))
+    if not (dm and om and km):
+        return None
+    data_sinfo, kernel_sinfo = call.args[0].ty, call.args[1].ty
+    if not all(isinstance(s, relax.TensorType) and s.shape is not None for s in (data_sinfo, kernel_sinfo)):
+        return None
+    try:
+        dshape = [int(x) for x in data_sinfo.shape]
+        kshape = [int(x) for x in kernel_sinfo.shape]
+    except (TypeError, ValueError):
+        return None  # symbolic shapes: not supported
+    groups = int(attrs.groups)
+    cin = dshape[1] * dshape[4]
+    depthwise = groups > 1 and groups == cin and kshape[1] == 1 and kshape[4] == 1 and kshape[0] * kshape[5] == cin
+    if depthwise:
+        if not int(dm.group(1)) == int(om.group(1)) == int(km.group(2)) or int(km.group(1)) != 1:
+            return None
+    elif groups != 1 or int(dm.group(1)) != int(km.group(1)) or int(om.group(1)) != int(km.group(2)):
+        return None
+    out_dtype = _out_dtype(attrs)
+    return bb.call_te(
+        _nchwc_conv_te,
+        call.args[0],
+        call.args[1],
+        [int(x) for x in attrs.strides],
+        [int(x) for x in attrs.padding],
+        [int(x) for x in attrs.dilation],
+        depthwise,
+        out_dtype,
+        primfunc_name_hint="depthwise_conv2d_NCHWc" if depthwise else "conv2d_NCHWc",
+    )
+
+
+_LEGALIZE_LEVEL = 21
+_stock_conv2d_legalize = None
+
+
+def _register_nchwc_legalization() -> None:
+    """Wrap the stock conv2d FLegalize so LegalizeOps (and thus tvm.compile) handles NCHWc too."""
+    global _stock_conv2d_legalize
+    op = Op.get("relax.nn.conv2d")
+    current = op.get_attr("FLegalize")
+    if getattr(current, "__tvm_fusion_nchwc__", False) or _stock_conv2d_legalize is not None:
+        return
+    _stock_conv2d_legalize = current
+
+    def _conv2d_legalize(bb, call):
+        res = legalize_conv2d_nchwc(bb, call)
+        if res is not None:
+            return res
+        return _stock_conv2d_legalize(bb, call)
+
+    _conv2d_legalize.__tvm_fusion_nchwc__ = True
+    tvm.ir.register_op_attr("relax.nn.conv2d", "FLegalize", _conv2d_legalize, level=_LEGALIZE_LEVEL)
+
+
+_register_nchwc_legalization()
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+def _static_shape(expr) -> list[int] | None:
+    sinfo = getattr(expr, "ty", None)
+    if not isinstance(sinfo, relax.TensorType) or sinfo.shape is None:
+        return None
+    if not isinstance(sinfo.shape, relax.ShapeExpr):
+        return None
+    try:
+        return [int(x) for x in sinfo.shape.values]
+    except (TypeError, ValueError):
+        return None
+
+
+def _out_dtype(attrs) -> str | None:
+    text = "" if attrs.out_dtype is None else str(attrs.out_dtype)
+    return None if text in ("", "void", "None") else text
+
+
+def _op_name(call) -> str | None:
+    return call.op.name if isinstance(call, relax.Call) and isinstance(call.op, Op) else None
+
+
+def _analyzer():
+    try:
+        from tvm.sym import Analyzer  # TVM 0.27
+    except ImportError:  # older TVM
+        from tvm.arith import Analyzer
+    return Analyzer()
+
+
+def _is_identity_pair(inner: relax.Call, outer: relax.Call) -> bool:
+    """outer(inner(x)) == x: same shape before and after and the index maps compose to identity."""
+    if inner.attrs.pad_value is not None or outer.attrs.pad_value is not None:
+        return False
+    src, dst = _static_shape(inner.args[0]), _static_shape(outer)
+    if src is None or dst is None or src != dst:
+        return False
+    m1, m2 = inner.attrs.index_map, outer.attrs.index_map
+    if len(m1.initial_indices) != len(src):
+        return False
+    analyzer = _analyzer()
+    idx = []
+    for i, extent in enumerate(src):
+        v = tvm.tirx.Var(f"i{i}", "int64")
+        analyzer.bind(v, tvm.ir.Range(0, extent))
+        idx.append(v)
+    try:
+        mid = m1.map_indices(idx, analyzer)
+        final = m2.map_indices(mid, analyzer)
+    except Exception:
+        return False
+    if len(final) != len(idx):
+        return False
+    return all(analyzer.can_prove_equal(f, v) for f, v in zip(final, idx))
+
+
+def _elementwise_block(func: tvm.tirx.PrimFunc):
+    """(schedule, block) if ``func`` is one spatial block that reads same-index or scalar buffers."""
+    from tvm import s_tir
+
+    try:
+        sch = s_tir.Schedule(func)
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    except Exception:
+        return None
+    if len(blocks) != 1:
+        return None
+    block = sch.get(blocks[0])
+    if any(int(iv.iter_type) != 0 for iv in block.iter_vars):  # 0 == kDataPar
+        return None
+    ivars = [iv.var for iv in block.iter_vars]
+
+    def same_index(region) -> bool:
+        if len(region.region) == 0:
+            return True
+        if len(region.region) != len(ivars):
+            return False
+        return all(
+            isinstance(r.min, tvm.tirx.Var) and r.min.same_as(v) and int(r.extent) == 1
+            for r, v in zip(region.region, ivars)
+        )
+
+    if len(block.writes) != 1 or len(block.writes[0].region) != len(ivars) or not same_index(block.writes[0]):
+        return None
+    if not all(same_index(r) for r in block.reads):
+        return None
+    return sch, blocks[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# the rewriter
+# ------------------------------------------------------------------------------------------------
+@relax.expr_functor.mutator
+class _LayoutRewriter(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, layout: _Layout):
+        super().__init__(mod)
+        self.mod_ = mod
+        self.layout = layout
+        self.elementwise_funcs = {}  # (gvar, layout) -> relayouted PrimFunc's gvar
+        self._reset()
+
+    def _reset(self):
+        self.native = {}  # original var -> (layout, var in that layout)
+        self.cache = {}  # (original var, layout or None for NCHW) -> converted var
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def visit_dataflow_block_(self, block):
+        self._reset()  # DataflowVars do not outlive their block
+        return super().visit_dataflow_block_(block)
+
+    def _nchw(self, var):
+        """The NCHW version of an original var (emits the transform back if needed)."""
+        if var not in self.native:
+            return self.visit_expr(var)
+        key = (var, None)
+        if key not in self.cache:
+            lay, lv = self.native[var]
+            self.cache[key] = self.builder_.emit(relax.op.layout_transform(lv, lay.from_map()))
+        return self.cache[key]
+
+    def _in(self, expr, lay: _Layout):
+        """``expr`` (an original var, 4-D NCHW) in layout ``lay``."""
+        if isinstance(expr, relax.Var) and expr in self.native and self.native[expr][0] == lay:
+            return self.native[expr][1]
+        if isinstance(expr, _Const):
+            return relax.const(lay.np_act(expr.value.numpy()))
+        key = (expr, lay)
+        if key not in self.cache:
+            src = self._nchw(expr) if isinstance(expr, relax.Var) else self.visit_expr(expr)
+            self.cache[key] = self.builder_.emit(relax.op.layout_transform(src, lay.to_map()))
+        return self.cache[key]
+
+    def _native_layout(self, expr):
+        if isinstance(expr, relax.Var) and expr in self.native:
+            return self.native[expr][0]
+        return None
+
+    # -- bindings -----------------------------------------------------------------------------
+    def visit_var_binding_(self, binding):
+        var, value = binding.var, binding.value
+        converted = None
+        if self.builder_.current_block_is_dataflow() and isinstance(value, relax.Call):
+            try:
+                converted = self._convert(value)
+            except _Skip:
+                converted = None
+        if converted is not None:
+            lay, expr = converted
+            if isinstance(var, relax.DataflowVar):
+                new = self.builder_.emit(expr, name_hint=var.name)
+                self.native[var] = (lay, new)
+            else:  # block output: used outside the dataflow block, so hand back NCHW
+                new = self.builder_.emit(expr)
+                self.native[var] = (lay, new)
+                out = self.builder_.emit_output(
+                    relax.op.layout_transform(new, lay.from_map()), name_hint=var.name
+                )
+                self.cache[(var, None)] = out
+                self.set_var_remap(var, out)
+            return
+        # unconverted op: every converted input goes back to NCHW first
+        for fv in relax.analysis.free_vars(value):
+            if fv in self.native:
+                self.set_var_remap(fv, self._nchw(fv))
+        super().visit_var_binding_(binding)
+
+    def _convert(self, call: relax.Call):
+        """(layout, new expr) if ``call`` runs in the target layout, else None."""
+        name = _op_name(call)
+        out_shape = _static_shape(call)
+        if name == "relax.nn.conv2d":
+            return self._conv2d(call)
+        if name == "relax.layout_transform":
+            return None
+        if call.op.same_as(_CALL_TIR):
+            return self._call_tir(call, out_shape)
+        if out_shape is None or len(out_shape) != 4:
+            return None
+        if name in _UNARY:
+            lay = self._native_layout(call.args[0])
+            if lay is None or not lay.fits(out_shape[1]):
+                return None
+            rest = [self.visit_expr(a) for a in call.args[1:]]
+            return lay, relax.Call(call.op, [self._in(call.args[0], lay)] + rest, call.attrs)
+        if name in _BINARY:
+            return self._binary(call, out_shape)
+        if name in _POOL:
+            lay = self._native_layout(call.args[0])
+            if lay is None or str(call.attrs.layout) != "NCHW" or str(call.attrs.out_layout) != "NCHW":
+                return None
+            fn = {
+                "relax.nn.max_pool2d": relax.op.nn.max_pool2d,
+                "relax.nn.avg_pool2d": relax.op.nn.avg_pool2d,
+                "relax.nn.adaptive_avg_pool2d": relax.op.nn.adaptive_avg_pool2d,
+            }[name]
+            x = self._in(call.args[0], lay)
+            if name == "relax.nn.adaptive_avg_pool2d":
+                osize = call.attrs.output_size
+                return lay, fn(x, output_size=None if osize is None else [int(v) for v in osize],
+                               layout=lay.name, out_layout=lay.name)
+            kw = dict(
+                pool_size=[int(v) for v in call.attrs.pool_size],
+                strides=[int(v) for v in call.attrs.strides],
+                padding=[int(v) for v in call.attrs.padding],
+                dilation=[int(v) for v in call.attrs.dilation],
+                ceil_mode=bool(call.attrs.ceil_mode),
+                layout=lay.name,
+                out_layout=lay.name,
+            )
+            if name == "relax.nn.avg_pool2d":
+                kw["count_include_pad"] = bool(call.attrs.count_include_pad)
+            return lay, fn(x, **kw)
+        if name in ("relax.mean", "relax.sum", "relax.max", "relax.min"):
+            lay = self._native_layout(call.args[0])
+            if lay is None or call.attrs.axis is None or not bool(call.attrs.keepdims):
+                return None
+            axes = sorted(int(a) % 4 for a in call.attrs.axis)
+            if axes != [2, 3]:
+                return None
+            fn = {"relax.mean": relax.op.mean, "relax.sum": relax.op.sum,
+                  "relax.max": relax.op.max, "relax.min": relax.op.min}[name]
+            return lay, fn(self._in(call.args[0], lay), axis=lay.spatial_axes, keepdims=True)
+        return None
+
+    def _conv2d(self, call):
+        a = call.attrs
+        if (str(a.data_layout), str(a.kernel_layout), str(a.out_layout)) != ("NCHW", "OIHW", "NCHW"):
+            return None
+        data, weight = call.args
+        if not isinstance(weight, _Const):
+            return None
+        dshape, oshape, wshape = _static_shape(data), _static_shape(call), [int(x) for x in weight.value.shape]
+        if dshape is None or oshape is None:
+            return None
+        cin, cout, groups = dshape[1], oshape[1], int(a.groups)
+        w = weight.value.numpy()
+        lay = self.layout
+        common = dict(strides=[int(x) for x in a.strides], padding=[int(x) for x in a.padding],
+                      dilation=[int(x) for x in a.dilation], groups=groups,
+                      out_dtype=_out_dtype(a))
+        if lay.block == 0:
+            new_w = relax.const(np.ascontiguousarray(w.transpose(0, 2, 3, 1)))
+            x = self._in(data, lay)
+            return lay, relax.op.nn.conv2d(x, new_w, data_layout="NHWC", kernel_layout="OHWI",
+                                           out_layout="NHWC", **common)
+        b = lay.block
+        depthwise = groups > 1 and groups == cin == cout and wshape[1] == 1
+        if groups != 1 and not depthwise:
+            return None  # grouped (non-depthwise) conv: stays NCHW
+        if cout % b:
+            return None  # the block does not divide the output channels: stays NCHW
+        if depthwise:
+            ib = 1
+            in_lay = lay
+            ob = b
+            # (C, 1, kh, kw) -> (C/b, 1, kh, kw, 1, b)
+            new_w = w.reshape(cout // b, b, 1, 1, wshape[2], wshape[3]).transpose(0, 2, 4, 5, 3, 1)
+            klayout = f"OIHW1i{b}o"
+        else:
+            if cin % b == 0:
+                ib, in_lay = b, lay
+            elif cin < b and self._native_layout(data) is None:
+                ib, in_lay = cin, _Layout(cin)  # small-channel stem: one input chunk
+            else:
+                return None
+            ob = b
+            new_w = w.reshape(cout // ob, ob, cin // ib, ib, wshape[2], wshape[3]).transpose(0, 2, 4, 5, 3, 1)
+            klayout = f"OIHW{ib}i{ob}o"
+        x = self._in(data, in_lay)
+        new_w = relax.const(np.ascontiguousarray(new_w))
+        return lay, relax.op.nn.conv2d(x, new_w, data_layout=in_lay.name, kernel_layout=klayout,
+                                       out_layout=lay.name, **common)
+
+    def _binary(self, call, out_shape):
+        lay = None
+        for arg in call.args:
+            lay = lay or self._native_layout(arg)
+        if lay is None or not lay.fits(out_shape[1]):
+            return None
+        new_args = []
+        for arg in call.args:
+            shape = _static_shape(arg)
+            if shape is None:
+                return None
+            if len(shape) == 0 or shape == [1]:
+                new_args.append(self.visit_expr(arg) if not isinstance(arg, _Const) else arg)
+            elif isinstance(arg, _Const):
+                if len(shape) > 4:
+                    return None
+                arr = arg.value.numpy().reshape([1] * (4 - len(shape)) + shape)
+                if arr.shape[1] not in (1, out_shape[1]):
+                    return None
+                new_args.append(relax.const(lay.np_act(arr)))
+            elif isinstance(arg, relax.Var) and len(shape) == 4 and shape[1] == out_shape[1]:
+                if self._native_layout(arg) not in (None, lay) and shape != out_shape:
+                    return None
+                new_args.append(self._in(arg, lay))
+            else:
+                return None
+        return lay, relax.Call(call.op, new_args, call.attrs)
+
+    def _call_tir(self, call, out_shape):
+        """call_tir to an elementwise PrimFunc (e.g. the ONNX importer's Clip): relayout its buffers."""
+        gvar, args = call.args[0], call.args[1]
+        if not isinstance(args, relax.Tuple) or len(call.args) != 2 or out_shape is None or len(out_shape) != 4:
+            return None
+        lay = None
+        for arg in args.fields:
+            lay = lay or self._native_layout(arg)
+        if lay is None or not lay.fits(out_shape[1]):
+            return None
+        shapes = [_static_shape(a) for a in args.fields]
+        if any(s is None or (s != out_shape and len(s) != 0) for s in shapes):
+            return None
+        key = (gvar, lay)
+        if key not in self.elementwise_funcs:
+            func = self.mod_[gvar]
+            if not isinstance(func, tvm.tirx.PrimFunc) or len(func.params) != len(args.fields) + 1:
+                return None
+            found = _elementwise_block(func)
+            if found is None:
+                return None
+            sch, block = found
+            try:
+                # iteration space first, then buffers: indices come out as plain iter vars, so
+                # AnnotateTIROpPattern still sees an elementwise op (fusable into the conv)
+                sch.transform_block_layout(block, lay.to_map())
+                for i, shp in enumerate(shapes):
+                    if len(shp):
+                        sch.transform_layout(block, ("read", _read_index(sch, block, func, i)), lay.to_map())
+                sch.transform_layout(block, ("write", 0), lay.to_map())
+            except Exception:
+                return None
+            new_mod = sch.mod
+            new_func = new_mod["main"]
+            self.elementwise_funcs[key] = self.builder_.add_func(new_func, gvar.name_hint + "_" + lay.name)
+        new_gv = self.elementwise_funcs[key]
+        new_args = [self._in(a, lay) if len(s) else self.visit_expr(a) for a, s in zip(args.fields, shapes)]
+        out_sinfo = relax.TensorType(lay.new_shape(out_shape), call.ty.dtype)
+        return lay, relax.call_tir(new_gv, new_args, out_sinfo)
+
+
+class _Skip(Exception):
+    pass
+
+
+def _read_index(sch, block_rv, func, param_index) -> int:
+    """Index in the block's read list of the buffer bound to ``func.params[param_index]``."""
+    param = func.params[param_index]
+    buffer_map = getattr(func, "buffer_map", None)  # TVM < 0.27: params are handles
+    buf = buffer_map[param] if buffer_map is not None else param
+    block = sch.get(block_rv)
+    for i, region in enumerate(block.reads):
+        src = getattr(region, "source", None)
+        if src is None:
+            src = getattr(region, "buffer", None)
+        if src is not None and (src.same_as(buf) or str(src.name) == str(buf.name)):
+            return i
+    raise _Skip()
+
+
+# ------------------------------------------------------------------------------------------------
+# cleanup: cancel identity pairs, fold transforms of constants
+# ------------------------------------------------------------------------------------------------
+@relax.expr_functor.mutator
+class _TransformCleaner(relax.PyExprMutator):
+    """Cancel ``layout_transform(layout_transform(x, A), A^-1)`` and fold transforms of constants."""
+
+    def __init__(self, mod):
+        super().__init__(mod)
+        self.changed = 0
+
+    def _value_of(self, expr):
+        for _ in range(8):  # follow var aliases
+            if not isinstance(expr, relax.Var):
+                break
+            bound = self.lookup_binding(expr)
+            if bound is None:
+                break
+            expr = bound
+        return expr
+
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        if not isinstance(call.op, Op) or not call.op.same_as(_LT):
+            return call
+        src = call.args[0]
+        inner = self._value_of(src)
+        if isinstance(inner, relax.Call) and inner.op.same_as(_LT) and _is_identity_pair(inner, call):
+            self.changed += 1
+            return inner.args[0]
+        if isinstance(inner, _Const) and call.attrs.pad_value is None:
+            try:
+                arr = call.attrs.index_map.map_tensor(inner.value)
+            except Exception:
+                return call
+            self.changed += 1
+            return relax.const(arr.numpy())
+        return call
+
+
+def _cleanup(mod: tvm.IRModule) -> tvm.IRModule:
+    for _ in range(4):  # pairs can nest (A B B^-1 A^-1)
+        changed = 0
+        for gv, func in list(mod.functions.items()):
+            if isinstance(func, relax.Function):
+                cleaner = _TransformCleaner(mod)
+                new_func = cleaner.visit_expr(func)
+                if cleaner.changed:
+                    mod[gv] = relax.analysis.remove_all_unused(new_func)
+                    changed += cleaner.changed
+        if not changed:
+            break
+    return mod
+
+
+# ------------------------------------------------------------------------------------------------
+# public API
+# ------------------------------------------------------------------------------------------------
+@tvm.transform.module_pass(opt_level=0, name="RewriteLayout")
+class _RewriteLayoutPass:
+    def __init__(self, target=None, layout=None):
+        self.target = target
+        self.layout = layout
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        chosen = choose_layout(self.target, "auto" if self.layout is None else self.layout)
+        mod = _cleanup(mod)
+        if chosen == "NCHW":
+            return mod
+        lay = _parse_layout(chosen)
+        rewriter = _LayoutRewriter(mod, lay)
+        for gv, func in list(mod.functions.items()):
+            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs.keys()):
+                new_func = rewriter.visit_expr(func)
+                rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
+        mod = rewriter.builder_.get()
+        mod = relax.transform.DeadCodeElimination()(mod)
+        return _cleanup(mod)
+
+
+def RewriteLayout(target=None, layout=None) -> tvm.transform.Pass:
+    """Rewrite conv regions into the target's layout (NHWC on GPUs, NCHW{b}c on LLVM CPUs).
+
+    ``layout`` overrides the choice: ``"NHWC"``, ``"NCHW8c"`` (any block), ``"NCHW"`` (only cancel
+    redundant transforms) or None (from ``target``, else ``Target.current()``, else the host CPU).
+    """
+    return _RewriteLayoutPass(target=target, layout=layout)
+
+
+def count_layout_transforms(mod: tvm.IRModule, include_permute_dims: bool = False) -> int:
+    """Number of layout transforms in the Relax functions of ``mod``.
+
+    Counts ``R.layout_transform`` calls and, after legalization, ``call_tir`` to PrimFuncs that
+    are layout transforms (named ``*layout_transform*`` or with ``operator_name`` saying so).
+    ``include_permute_dims`` also counts ``R.permute_dims`` of 4-D and 5-D tensors, which is how
+    stock ``ConvertLayout`` spells NCHW<->NHWC (for comparisons).
+    """
+    lt_funcs = set()
+    for gv, func in mod.functions.items():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            opname = str(func.attrs["operator_name"]) if func.attrs and "operator_name" in func.attrs.keys() else ""
+            if "layout_transform" in gv.name_hint or "layout_transform" in opname:
+                lt_funcs.add(gv.name_hint)
+    count = 0
+
+    def visit(expr):
+        nonlocal count
+        if isinstance(expr, relax.Call) and isinstance(expr.op, Op):
+            if expr.op.same_as(_LT):
+                count += 1
+            elif include_permute_dims and expr.op.name == "relax.permute_dims":
+                shape = _static_shape(expr)
+                if shape is not None and len(shape) in (4, 5):
+                    count += 1
+            elif expr.op.same_as(_CALL_TIR) and isinstance(expr.args[0], relax.GlobalVar):
+                if expr.args[0].name_hint in lt_funcs:
+                    count += 1
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return count

@@ -1,0 +1,213 @@
+"""Helpers shared by the CPU schedule rules: target facts, access analysis, injective loop nests."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+from tvm import DataType, s_tir, sym, tirx
+from tvm.target import Target
+from tvm.target.codegen import target_has_features
+
+logger = logging.getLogger("tvm_fusion.schedules")
+
+# Annotation the meta-schedule RewriteLayout postproc puts on a weight-packing block; the Relax pass
+# SplitLayoutRewritePreproc lifts blocks carrying it into their own PrimFunc, so FoldConstant can
+# evaluate the packing at compile time when the weight is a relax.Constant.
+LAYOUT_REWRITE_PREPROC = "meta_schedule.layout_rewrite_preproc"
+
+
+def vector_bits(target: Target) -> int:
+    """SIMD register width. (``llvm_get_vector_width`` answers 512 for every x86 CPU in this TVM.)"""
+    try:
+        if target_has_features("avx512f", target):
+            return 512
+        if target_has_features("avx", target):
+            return 256
+    except Exception:  # pragma: no cover - non-x86 LLVM target
+        pass
+    return 128
+
+
+def vector_lanes(target: Target, dtype: str = "float32") -> int:
+    bits = DataType(str(dtype)).bits
+    return max(vector_bits(target) // max(bits, 8), 1)
+
+
+def num_vector_registers(target: Target) -> int:
+    return 32 if vector_bits(target) == 512 else 16
+
+
+def num_cores(target: Target) -> int:
+    cores = target.attrs.get("num-cores") if target is not None else None
+    return int(cores) if cores else (os.cpu_count() or 1)
+
+
+def is_cpu(target: Target) -> bool:
+    return target is not None and target.kind.name in ("llvm", "c")
+
+
+def int_extent(sch: s_tir.Schedule, loop) -> int | None:
+    ext = sch.get(loop).extent
+    return int(ext) if isinstance(ext, tirx.IntImm) else None
+
+
+def block_reads_writes(sch: s_tir.Schedule, block) -> tuple[list, list]:
+    stmt = sch.get(block)
+    return list(stmt.reads), list(stmt.writes)
+
+
+def access_class(region, var) -> str:
+    """How a block iter var moves a buffer access: 'invariant', 'contiguous' (last dim, stride 1) or 'strided'."""
+    ndim = len(region.region)
+    used_dims = []
+    for d, rng in enumerate(region.region):
+        if not _is_one(rng.extent):
+            # a range access (not a point): treat as strided unless v is absent from it
+            if _uses(rng.min, var) or _uses(rng.extent, var):
+                return "strided"
+            continue
+        if _uses(rng.min, var):
+            used_dims.append(d)
+    if not used_dims:
+        return "invariant"
+    if used_dims == [ndim - 1]:
+        coeff = linear_coeff(region.region[-1].min, var)
+        if coeff == 1:
+            return "contiguous"
+    return "strided"
+
+
+def bare_var_dim(region, var) -> int | None:
+    """The single dim of region indexed exactly by var (and var used nowhere else), else None."""
+    found = None
+    for d, rng in enumerate(region.region):
+        if _uses(rng.min, var) or _uses(rng.extent, var):
+            if found is not None or not (isinstance(rng.min, tirx.Var) and rng.min.same_as(var)):
+                return None
+            if not _is_one(rng.extent):
+                return None
+            found = d
+    return found
+
+
+def linear_coeff(expr, var) -> int | None:
+    try:
+        res = sym.detect_linear_equation(expr, [var])
+    except Exception:  # pragma: no cover
+        return None
+    if len(res) != 2 or not isinstance(res[0], tirx.IntImm):
+        return None
+    return int(res[0])
+
+
+def _is_one(expr) -> bool:
+    return isinstance(expr, tirx.IntImm) and int(expr) == 1
+
+
+def _uses(expr, var) -> bool:
+    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
+
+
+def divisors_upto(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def schedule_injective_block(sch: s_tir.Schedule, block, target: Target, parallel: bool = True) -> None:
+    """Parallelize the outer loops and vectorize the inner loop of a root-level spatial block."""
+    loops = sch.get_loops(block)
+    if not loops:
+        return
+    stmt = sch.get(block)
+    dtype = stmt.writes[0].source.dtype if stmt.writes else "float32"
+    lanes = vector_lanes(target, dtype)
+    extents = [int_extent(sch, lp) for lp in loops]
+    if any(e is None for e in extents):
+        _try(sch.parallel, loops[0]) if parallel else None
+        return
+    # drop the unit loops, they only get in the way of fuse/split decisions
+    inner = loops[-1]
+    inner_ext = extents[-1]
+    vec = None
+    outer_loops = loops[:-1]
+    vec_tiles = [lanes] if inner_ext % lanes == 0 else []
+    if vec_tiles:
+        if inner_ext > vec_tiles[0]:
+            o, vec = sch.split(inner, factors=[None, vec_tiles[0]])
+            outer_loops = outer_loops + [o]
+        else:
+            vec = inner
+    elif 2 <= inner_ext <= lanes:
+        vec = inner
+    else:
+        # odd inner extent: split off a divisor (never a tail: a predicate would scalarize the loop)
+        cands = [d for d in divisors_upto(inner_ext, lanes) if d >= 4]
+        if cands:
+            o, vec = sch.split(inner, factors=[None, cands[-1]])
+            outer_loops = outer_loops + [o]
+        else:
+            outer_loops = outer_loops + [inner]
+    if parallel and outer_loops:
+        cores = num_cores(target)
+        # fuse leading loops until there is enough parallel work, keep the rest serial
+        outer_ext = [int_extent(sch, lp) for lp in outer_loops]
+        k, prod = 0, 1
+        while k < len(outer_loops) and prod < 16 * cores:
+            prod *= outer_ext[k]
+            k += 1
+        fused = sch.fuse(*outer_loops[:k]) if k > 1 else outer_loops[0]
+        if prod > 1:
+            _try(sch.parallel, fused)
+    if vec is not None:
+        _try(sch.vectorize, vec)
+
+
+def _try(fn, *args) -> bool:
+    try:
+        fn(*args)
+        return True
+    except Exception as err:  # schedule primitives validate and raise before mutating
+        logger.debug("schedule primitive %s failed: %s", getattr(fn, "__name__", fn), err)
+        return False
+
+
+try_primitive = _try
+
+
+def safe_rule(apply):
+    """Wrap a rule's apply so that any schedule error means 'not applicable' (the next rule runs)."""
+
+    @functools.wraps(apply)
+    def wrapper(self, func, target, tunable):
+        try:
+            return apply(self, func, target, tunable)
+        except Exception as err:  # pylint: disable=broad-except
+            logger.debug("%s did not apply: %s", type(self).__name__, err)
+            return None
+
+    return wrapper
+
+
+def collect_loops(func_or_stmt) -> list:
+    """All tirx.For loops under a PrimFunc / Stmt (this TVM has no stmt_functor.post_order_visit)."""
+    root = func_or_stmt.body if isinstance(func_or_stmt, tirx.PrimFunc) else func_or_stmt
+    out, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        if isinstance(node, tirx.For):
+            out.append(node)
+        if isinstance(node, tirx.SeqStmt):
+            stack.extend(node.seq)
+            continue
+        for name in ("body", "block", "init", "then_case", "else_case"):
+            child = getattr(node, name, None)
+            if child is not None and not isinstance(child, (int, float, str)):
+                stack.append(child)
+    return out
+
+
+def loop_kinds(func) -> set:
+    return {loop.kind for loop in collect_loops(func)}

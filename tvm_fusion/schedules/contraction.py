@@ -1,0 +1,360 @@
+"""Register-tiled CPU schedule for one reduction block with injective prologue/epilogue.
+
+Covers what FuseTIR makes of dense / matmul / batch_matmul / conv2d (NCHW, NCHWc, NHWC, depthwise)
+/ pooling + bias / activation / residual add. The block is recognised by its iteration structure
+(spatial iters S, reduction iters R, one output indexed by S), never by name, so the same rule
+handles any layout a layout pass produces.
+
+Schedule (classic CPU GEMM micro-kernel, chosen by a small cost model over the access patterns):
+
+* pick a *vector* spatial iter ``v`` (SIMD lanes) and a *row* spatial iter ``r`` (register rows)
+  so that per reduction step the micro-kernel does ``rows x vt/lanes`` FMAs on accumulators held
+  in registers, loading as little as possible: operands contiguous along ``v`` are vector loads,
+  operands invariant along ``v`` are broadcasts; operands strided along ``v`` are gathers (very
+  expensive) unless they are layout-free (constant weights), which we pack;
+* loops: ``parallel(fused outer spatial) / reduction loops / unroll(rows) / vectorize(vt)``;
+* the accumulator tile lives in a ``local`` buffer (laid out ``[.., rows, vt]``), initialised per
+  tile (decompose_reduction), and the epilogue is computed right after the tile
+  (``reverse_compute_at``), so the intermediate never goes to memory;
+* constant weights (``layout_free_buffers``, see ``relax.transform.AttachAttrLayoutFreeBuffers``)
+  are packed into ``[outer tiles.., other dims.., row_i, v_i]`` by a cache-read block annotated as a
+  layout-rewrite preproc; ``relax.transform.SplitLayoutRewritePreproc`` + ``FoldConstant`` turn that
+  into a new constant at compile time;
+* injective producers (pad, transpose) stay separate root stages, scheduled parallel+vectorized
+  (inlining a pad would put a branch in the micro-kernel; inlining a transpose would make the
+  operand strided again).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.target import Target
+
+from ._util import (
+    LAYOUT_REWRITE_PREPROC,
+    access_class,
+    bare_var_dim,
+    divisors_upto,
+    int_extent,
+    is_cpu,
+    num_vector_registers,
+    safe_rule,
+    schedule_injective_block,
+    try_primitive,
+    vector_lanes,
+)
+
+GATHER_PENALTY = 10.0  # a strided operand along the vector axis: one load per lane
+OUT_STRIDED_PENALTY = 1.0  # the tile's write-back is transposed (cheap: once per tile)
+PACK_PENALTY = 0.5  # packing a constant weight costs nothing at run time, but prefer no copy
+ODD_VECTOR_PENALTY = 3.0  # vector axis extent not a multiple of the SIMD width
+MAX_ROWS = 8
+
+
+class Contraction(ScheduleRule):
+    """Register-tiled, parallel, vectorized schedule for a single reduction block + epilogue."""
+
+    def __init__(self, prepack: bool = True, max_rows: int = MAX_ROWS):
+        self.prepack = prepack
+        self.max_rows = max_rows
+
+    def is_target_available(self, target: Target) -> bool:
+        return is_cpu(target)
+
+    @safe_rule
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):  # noqa: ARG002
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos:
+            return None
+        reductions = [b for b in infos if not b.is_injective()]
+        if len(reductions) != 1:
+            return None
+        main_info = reductions[0]
+        kinds = main_info.dom_kind()
+        if set(kinds) - {"S", "R"} or "R" not in kinds or "S" not in kinds:
+            return None
+        if any(not isinstance(d, int) for d in main_info.dom()):
+            return None  # static shapes only; dynamic ones go to the fallback
+        main = main_info.block_rv
+        stmt = sch.get(main)
+        if stmt.init is None or len(stmt.writes) != 1:
+            return None
+        out_buf = stmt.writes[0].source
+        reads = [r for r in stmt.reads if not r.source.same_as(out_buf)]
+        if not reads:
+            return None
+        layout_free = _layout_free_buffers(func) if self.prepack else set()
+
+        plan = self._plan(main_info, stmt, reads, layout_free, target, str(out_buf.dtype))
+        if plan is None:
+            return None
+        v_it, vt, row_it, rt, cost = plan
+
+        # ---- inline everything that is not a direct producer of the main block -------------------
+        self._inline_around(sch, main)
+
+        # ---- pack constant weights (before tiling: the index map is written on block vars) ------
+        if self.prepack:
+            self._pack_weights(sch, main, layout_free, v_it, vt, row_it, rt, main_info)
+
+        # ---- tile ----------------------------------------------------------------------------
+        s_iters = [it for it in main_info.iters if it.kind == "S"]
+        r_loops = [it.loop_rv for it in main_info.iters if it.kind == "R"]
+        v_o, v_i = sch.split(v_it.loop_rv, factors=[None, vt])
+        row_o = row_i = None
+        if row_it is not None:
+            row_o, row_i = sch.split(row_it.loop_rv, factors=[None, rt])
+        # spatial outer loops in original order, with the vector tile's outer loop taking the first
+        # of the two slots: the weight panel of one vector tile is then reused across all rows.
+        slots = sorted(i for i, it in enumerate(s_iters) if it is v_it or it is row_it)
+        outer = []
+        for i, it in enumerate(s_iters):
+            if i in slots:
+                outer.append(v_o if i == slots[0] else row_o)
+            else:
+                outer.append(it.loop_rv)
+        lanes = vector_lanes(target, str(out_buf.dtype))
+        v_m = None
+        if vt > lanes and vt % lanes == 0:
+            # one SIMD register per vector op: LLVM turns wider (e.g. <24 x float>) accumulators
+            # into shuffles and spills
+            v_m, v_i = sch.split(v_i, factors=[None, lanes])
+        inner = ([row_i] if row_i is not None else []) + ([v_m] if v_m is not None else []) + [v_i]
+        sch.reorder(*outer, *r_loops, *inner)
+        fused = sch.fuse(*outer)
+        if (int_extent(sch, fused) or 1) > 1:
+            sch.parallel(fused)
+
+        # ---- accumulator tile in registers + epilogue right after the tile -------------------
+        consumers = sch.get_consumers(main)
+        epilogue = None
+        if len(consumers) == 1 and not _writes_param(sch, main, func):
+            epilogue = consumers[0]
+            if not try_primitive(sch.reverse_compute_at, epilogue, fused):
+                epilogue = None
+        if epilogue is not None:
+            sch.set_scope(main, 0, "local")
+            acc_consumer = epilogue
+        else:
+            wb = sch.cache_write(main, 0, "local")
+            sch.reverse_compute_at(wb, fused)
+            acc_consumer = wb
+        # accumulator layout [.., rows, vt]: v's output dim last, so the micro-kernel's
+        # vectorized accesses to it are contiguous (and LLVM keeps it in registers)
+        v_dim = _out_dim_of(stmt.writes[0], v_it.var)
+        ndim = len(stmt.writes[0].region)
+        if v_dim is not None and v_dim != ndim - 1:
+            perm = [d for d in range(ndim) if d != v_dim] + [v_dim]
+            sch.transform_layout(
+                main, ("write", 0), tirx.IndexMap.from_func(lambda *i: [i[d] for d in perm], ndim=ndim, index_dtype=_idx_dtype(stmt))
+            )
+        if row_i is not None:
+            sch.unroll(row_i)
+        if v_m is not None:
+            sch.unroll(v_m)
+        sch.vectorize(v_i)
+        init = sch.decompose_reduction(main, r_loops[0])
+        init_loops = sch.get_loops(init)
+        try_primitive(sch.vectorize, init_loops[-1])
+        self._schedule_tile_epilogue(sch, acc_consumer, target)
+
+        # ---- remaining root stages (pad, transposes, unfusable leftovers) ---------------------
+        root = sch.get_sblock("root") if _has_root(sch) else None
+        handled = {sch.get(b).name_hint for b in (main, init, acc_consumer)}
+        blocks = sch.get_child_blocks(root) if root is not None else []
+        for blk in blocks:
+            name = sch.get(blk).name_hint
+            if name in handled or sch.get(blk).annotations.get(LAYOUT_REWRITE_PREPROC) is not None:
+                continue
+            if all(it.iter_type == tirx.IterVar.DataPar for it in sch.get(blk).iter_vars):
+                schedule_injective_block(sch, blk, target)
+        return sch
+
+    # ------------------------------------------------------------------------------------------
+    def _plan(self, main_info, stmt, reads, layout_free, target, dtype):
+        """Choose (vector iter, vector tile, row iter, row tile) by a load-per-FMA cost model."""
+        lanes = vector_lanes(target, dtype)
+        max_acc = num_vector_registers(target) - 4
+        s_iters = [it for it in main_info.iters if it.kind == "S" and it.dom >= 2]
+        if not s_iters:
+            return None
+        out_region = stmt.writes[0]
+        best = None
+        for v_it in s_iters:
+            pen = 0.0
+            kinds = {}
+            for r in reads:
+                c = access_class(r, v_it.var)
+                if c == "strided":
+                    if r.source in layout_free and bare_var_dim(r, v_it.var) is not None:
+                        c = "packed"
+                        pen += PACK_PENALTY
+                    else:
+                        pen += GATHER_PENALTY
+                kinds[id(r)] = c
+            if access_class(out_region, v_it.var) != "contiguous":
+                pen += OUT_STRIDED_PENALTY
+            ext = v_it.dom
+            vts = [m * lanes for m in (4, 3, 2, 1) if ext % (m * lanes) == 0]
+            if not vts:
+                pen += ODD_VECTOR_PENALTY
+                vts = [ext] if ext <= 4 * lanes else [d for d in divisors_upto(ext, 4 * lanes) if d >= 2][-1:]
+                if not vts:
+                    continue
+            rows = [None] + [it for it in s_iters if it is not v_it]
+            for row_it in rows:
+                rts = [1] if row_it is None else divisors_upto(row_it.dom, self.max_rows)
+                for vt in vts:
+                    nvec = math.ceil(vt / lanes)
+                    for rt in rts:
+                        if rt * nvec > max_acc:
+                            continue
+                        loads = 0.0
+                        for r in reads:
+                            varies_row = row_it is not None and access_class(r, row_it.var) != "invariant"
+                            mult = rt if varies_row else 1
+                            c = kinds[id(r)]
+                            if c == "invariant":
+                                loads += mult
+                            elif c in ("contiguous", "packed"):
+                                loads += nvec * mult
+                            else:
+                                loads += vt * mult
+                        work = rt * vt / lanes
+                        cost = pen + 2.0 * loads / work
+                        key = (cost, -work)
+                        if best is None or key < best[0]:
+                            best = (key, v_it, vt, row_it if rt > 1 else None, rt)
+        if best is None:
+            return None
+        (cost, _), v_it, vt, row_it, rt = best
+        return v_it, vt, row_it, rt, cost
+
+    @staticmethod
+    def _inline_around(sch, main):
+        """compute_inline every injective block except main's direct producers, to a fixpoint."""
+        main_name = sch.get(main).name_hint
+        changed = True
+        while changed:
+            changed = False
+            root = sch.get_sblock("root") if _has_root(sch) else None
+            if root is None:
+                return
+            for blk in sch.get_child_blocks(root):
+                st = sch.get(blk)
+                if st.name_hint == main_name:
+                    continue
+                if not all(it.iter_type == tirx.IterVar.DataPar for it in st.iter_vars):
+                    continue
+                cons = [sch.get(c).name_hint for c in sch.get_consumers(blk)]
+                if main_name in cons:
+                    continue
+                if try_primitive(sch.compute_inline, blk):
+                    changed = True
+                    break
+
+    @staticmethod
+    def _pack_weights(sch, main, layout_free, v_it, vt, row_it, rt, main_info):
+        stmt = sch.get(main)
+        out_buf = stmt.writes[0].source
+        reads = list(stmt.reads)
+        order = sorted(
+            [(i, it, t) for i, (it, t) in enumerate(((v_it, vt), (row_it, rt))) if it is not None],
+            key=lambda x: main_info.iters.index(x[1]),
+        )
+        for idx, region in enumerate(reads):
+            buf = region.source
+            if buf.same_as(out_buf) or buf not in layout_free:
+                continue
+            # dims of this buffer indexed exactly by the vector / row iter, blocked by their tile
+            blocked = []  # (dim, tile, is_vector)
+            for which, it, tile in ((0, v_it, vt), (1, row_it, rt)):
+                if it is None or tile <= 1:
+                    continue
+                d = bare_var_dim(region, it.var)
+                if d is None or int(buf.shape[d]) != it.dom or it.dom % tile != 0:
+                    continue
+                blocked.append((d, tile, which))
+            if not blocked or (len(blocked) == 1 and blocked[0][0] == len(buf.shape) - 1 and int(buf.shape[-1]) == blocked[0][1]):
+                continue  # nothing to gain
+            ndim = len(buf.shape)
+            vec = [b for b in blocked if b[2] == 0]
+            row = [b for b in blocked if b[2] == 1]
+            # outer tile dims in loop order (vector tile's outer loop first), then the other dims,
+            # then the row and vector inner dims (the micro-kernel's access order)
+            outer_order = vec + row
+            blocked_dims = {b[0] for b in blocked}
+
+            index_map = _make_pack_map(outer_order, blocked_dims, row, vec, ndim)
+            cached = sch.cache_read(main, idx, "global")
+            sch.transform_layout(
+                main, ("read", idx), tirx.IndexMap.from_func(index_map, ndim=ndim, index_dtype=_idx_dtype(stmt))
+            )
+            sch.annotate(cached, LAYOUT_REWRITE_PREPROC, True)
+
+    @staticmethod
+    def _schedule_tile_epilogue(sch, block, target):
+        loops = sch.get_loops(block)[1:]
+        exts = [int_extent(sch, lp) for lp in loops]
+        nontrivial = [(lp, e) for lp, e in zip(loops, exts) if e is not None and e > 1]
+        if not nontrivial:
+            return
+        inner, ext = nontrivial[-1]
+        if ext <= 4 * vector_lanes(target):
+            try_primitive(sch.vectorize, inner)
+        for lp, _ in nontrivial[:-1]:
+            try_primitive(sch.unroll, lp)
+
+
+def _make_pack_map(outer_order, blocked_dims, row, vec, ndim):
+    def index_map(*ix):
+        res = [ix[d] // t for d, t, _ in outer_order]
+        res += [ix[d] for d in range(ndim) if d not in blocked_dims]
+        res += [ix[d] % t for d, t, _ in row]
+        res += [ix[d] % t for d, t, _ in vec]
+        return res
+
+    return index_map
+
+
+def _layout_free_buffers(func: tirx.PrimFunc) -> set:
+    idx = func.attrs.get("layout_free_buffers") if func.attrs is not None else None
+    if not idx:
+        return set()
+    out = set()
+    for i in idx:
+        out.add(func.params[int(i)])  # in this TVM a PrimFunc param *is* its buffer
+    return out
+
+
+def _writes_param(sch, block, func) -> bool:
+    buf = sch.get(block).writes[0].source
+    return any(buf.same_as(b) for b in func.params)
+
+
+def _out_dim_of(region, var) -> int | None:
+    for d, rng in enumerate(region.region):
+        if isinstance(rng.min, tirx.Var) and rng.min.same_as(var):
+            return d
+    return None
+
+
+def _idx_dtype(stmt) -> str:
+    for it in stmt.iter_vars:
+        return str(it.var.ty.dtype)
+    return "int64"
+
+
+def _has_root(sch) -> bool:
+    try:
+        sch.get_sblock("root")
+        return True
+    except Exception:  # pylint: disable=broad-except
+        return False

@@ -1,0 +1,15 @@
+"""The CPU rule list, most specific first; ParallelFallback makes sure every PrimFunc is parallel."""
+
+from __future__ import annotations
+
+from .contraction import Contraction
+from .fallback import ParallelFallback
+from .injective import Injective
+from .reduction import RowReduction
+
+
+def cpu_rules(prepack: bool = True) -> list:
+    return [Contraction(prepack=prepack), RowReduction(), Injective(), ParallelFallback()]
+
+
+__all__ = ["Contraction", "Injective", "ParallelFallback", "RowReduction", "cpu_rules"]

@@ -1,0 +1,35 @@
+"""Parallel + vectorized schedule for PrimFuncs made only of spatial (injective) blocks.
+
+Elementwise chains, broadcasts, reshapes/transposes and pads: inline everything inlinable, then
+each remaining output nest gets its leading loops fused and parallel (enough iterations for the
+cores, no more, so the inner loops keep simple affine indices) and its innermost loop vectorized.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.s_tir.dlight.base import ScheduleRule, try_inline
+from tvm.target import Target
+
+from ._util import is_cpu, safe_rule, schedule_injective_block
+
+
+class Injective(ScheduleRule):
+    """All blocks spatial: inline, then parallel outer loops + vectorized inner loop."""
+
+    def is_target_available(self, target: Target) -> bool:
+        return is_cpu(target)
+
+    @safe_rule
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):  # noqa: ARG002
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos or not all(b.is_injective() for b in infos):
+            return None
+        remaining = try_inline(sch, infos)
+        for info in remaining:
+            schedule_injective_block(sch, info.block_rv, target)
+        return sch
