@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from . import __version__
@@ -59,6 +60,7 @@ class BuildResult:
     default_kernels: int = 0
     records_note: str = ""
     build_seconds: float = 0.0
+    buckets: list = dataclasses.field(default_factory=list)
 
     def metadata(self) -> dict:
         return {
@@ -71,6 +73,7 @@ class BuildResult:
             "tvm_version": tvm.__version__,
             "tvm_fusion_version": __version__,
             "entry": "main",
+            "buckets": self.buckets,
             "summary": {"ops": self.summary.ops, "kernels": self.summary.kernels,
                         "fused_groups": self.summary.fused_groups, "layout_transforms": self.summary.layout_transforms,
                         "tuned_kernels": self.tuned_kernels, "default_kernels": self.default_kernels},
@@ -92,16 +95,24 @@ class BuildResult:
 
 
 def build(model, target="llvm", policy=None, *, name: str | None = None, tuning_logs: str | os.PathLike | None = DEFAULT_TUNING_LOGS,
-          database=None, **options) -> BuildResult:
+          database=None, shape_buckets: list[dict] | None = None, **options) -> BuildResult:
     """Import (if needed), optimise and compile ``model`` for ``target``.
 
     Tuned records are looked up under ``tuning_logs/<model>/<target-key>/`` unless
     ``tuning_logs=None`` or an explicit Meta-Schedule ``database`` is given.
+    ``shape_buckets`` (e.g. ``[{"batch": 1}, {"batch": 8}]``) adds specialised entries for
+    models with symbolic dims; the generic ``main`` serves every other shape.
     """
     start = time.perf_counter()
     target = parse_target(target)
     check_can_build(target)
     imported = as_imported(model, name)
+    buckets = []
+    if shape_buckets:
+        from .shape_cache import add_shape_buckets
+
+        specialised, buckets = add_shape_buckets(imported.mod, shape_buckets)
+        imported = dataclasses.replace(imported, mod=specialised)
     note = ""
     if database is None and tuning_logs is not None and options.get("schedule", True):
         database, note = _find_records(tuning_logs, imported, target)
@@ -126,7 +137,7 @@ def build(model, target="llvm", policy=None, *, name: str | None = None, tuning_
     summary = summarize(imported.mod, mod)
     return BuildResult(executable, target, imported, mod, summary, tuned_kernels=tuned,
                        default_kernels=scheduled - tuned, records_note=note,
-                       build_seconds=time.perf_counter() - start)
+                       build_seconds=time.perf_counter() - start, buckets=buckets)
 
 
 def _find_records(tuning_logs, imported: ImportedModel, target) -> tuple[object | None, str]:
@@ -196,6 +207,8 @@ class LoadedModel:
             raise TvmFusionError(f"{self.path}: cannot load module: {_last_line(err)}") from None
         self.vm = relax.VirtualMachine(self.lib, self.device)
         self.inputs = [TensorSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in self.metadata.get("inputs", [])]
+        self.buckets = self.metadata.get("buckets", [])
+        self.last_function: str | None = None  # which entry the last call ran (a bucket or "main")
 
     def _prepare(self, args, kwargs) -> list:
         if kwargs:
@@ -212,13 +225,20 @@ class LoadedModel:
             check_input(spec, value)
         return [tvm.runtime.tensor(np.ascontiguousarray(a), self.device) if isinstance(a, np.ndarray) else a for a in args]
 
+    def entry_for(self, arrays) -> str:
+        from .shape_cache import select_function
+
+        return select_function(self.buckets, self.inputs, arrays)
+
     def __call__(self, *args, **kwargs):
-        out = self.vm["main"](*self._prepare(args, kwargs))
-        return _to_numpy(out)
+        prepared = self._prepare(args, kwargs)
+        self.last_function = self.entry_for(prepared)
+        return _to_numpy(self.vm[self.last_function](*prepared))
 
     def latency_ms(self, *args, number: int = 10, repeat: int = 5) -> list[float]:
-        timer = self.vm.time_evaluator("main", self.device, number=number, repeat=repeat)
-        return [r * 1e3 for r in timer(*self._prepare(args, {})).results]
+        prepared = self._prepare(args, {})
+        timer = self.vm.time_evaluator(self.entry_for(prepared), self.device, number=number, repeat=repeat)
+        return [r * 1e3 for r in timer(*prepared).results]
 
 
 def check_input(spec: TensorSpec, value) -> None:
@@ -254,7 +274,7 @@ def _relax_inputs(mod: tvm.IRModule) -> list[TensorSpec]:
 
 
 def _module_hash(mod: tvm.IRModule) -> str:
-    return f"{tvm.ir.structural_hash(mod) & 0xFFFFFFFFFFFFFFFF:016x}"
+    return f"{tvm_ffi.structural_hash(mod) & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
 def _last_line(err: Exception) -> str:

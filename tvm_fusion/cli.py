@@ -52,8 +52,11 @@ def cmd_build(args) -> int:
 
     target = parse_target(args.target, cuda_arch=args.arch)
     imported = _load_model(args.model, args.name)
+    from .shape_cache import parse_bucket
+
     tuning_logs = None if args.no_tuning_logs else args.tuning_logs
-    result = build(imported, target, args.policy, tuning_logs=tuning_logs, **_pipeline_options(args))
+    buckets = [parse_bucket(b) for b in args.shape_bucket] or None
+    result = build(imported, target, args.policy, tuning_logs=tuning_logs, shape_buckets=buckets, **_pipeline_options(args))
     out = Path(args.output or f"{imported.name}.{target.kind.name}.so")
     result.export(out)
     print(result.describe())
@@ -143,6 +146,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("-o", "--output", default=None, help="output .so path (default <name>.<target>.so)")
     b.add_argument("--tuning-logs", default="tuning_logs", help="root of stored tuning records (default tuning_logs)")
     b.add_argument("--no-tuning-logs", action="store_true", help="ignore stored tuning records")
+    b.add_argument("--shape-bucket", action="append", default=[], metavar="DIM=N[,DIM=N]",
+                   help="add an entry specialised for these symbolic dims (repeatable), e.g. batch=1,seq=128")
     b.set_defaults(func=cmd_build)
 
     e = sub.add_parser("explain", help="show the fusion groups the policy forms and why candidates were rejected")
