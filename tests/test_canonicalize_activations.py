@@ -58,3 +58,16 @@ def test_transformer_block_gelu_becomes_matmul_epilogue(example):
     fused = ApplyFusionPolicy()(mod)
     names = [gv.name_hint for gv in fused.functions]
     assert any(n.endswith("matmul_add_gelu") for n in names), names
+
+
+def test_frontend_clip_kernels_become_named_clip(example):
+    """The ONNX frontend emits Clip as opaque call_tir(maximum/minimum); they become R.clip."""
+    from tvm_fusion.passes import FoldBatchNorm
+
+    model, feeds = example("mobilenet_block", size=8)
+    mod = relax.transform.FoldConstant()(FoldBatchNorm()(import_onnx(model).mod))
+    assert {gv.name_hint for gv in mod.functions} == {"main", "maximum", "minimum"}
+    out = CanonicalizeActivations()(mod)
+    assert op_counts(out)["clip"] == 2
+    assert [gv.name_hint for gv in out.functions] == ["main"]
+    assert max_abs_err(run_relax(out, feeds), ort_run(model, feeds)) < 1e-4

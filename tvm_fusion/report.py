@@ -9,6 +9,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .passes.rewrite_layout import count_layout_transforms  # noqa: F401  (re-exported: one definition)
+
 
 def _relax_functions(mod: tvm.IRModule):
     for gvar, func in mod.functions.items():
@@ -54,7 +56,7 @@ def kernel_calls(mod: tvm.IRModule) -> list[str]:
 
 def _is_view(func: tvm.tirx.PrimFunc) -> bool:
     """A pure reshape PrimFunc; RewriteDataflowReshape turns its launch into a free view."""
-    return func.attrs is not None and "op_pattern" in func.attrs and int(func.attrs["op_pattern"]) == 8
+    return bool(relax.analysis.has_reshape_pattern(func))
 
 
 @dataclasses.dataclass
@@ -68,13 +70,6 @@ class Summary:
     def format(self) -> str:
         return (f"ops {self.ops} -> kernels {self.kernels} ({self.fused_groups} fused groups), "
                 f"layout transforms left {self.layout_transforms}")
-
-
-def count_layout_transforms(mod: tvm.IRModule) -> int:
-    """relax.layout_transform calls plus launches of layout-transform PrimFuncs."""
-    high = op_counts(mod).get("layout_transform", 0)
-    low = sum(1 for name in kernel_calls(mod) if "layout_transform" in name)
-    return high + low
 
 
 def kernel_count(mod: tvm.IRModule) -> int:

@@ -4,7 +4,7 @@ from .apply_fusion_policy import ApplyFusionPolicy, explain, plan_module
 from .canonicalize_activations import CanonicalizeActivations
 from .fold_batch_norm import FoldBatchNorm
 from .horizontal_fuse import HorizontalFuse
-from .rewrite_layout import RewriteLayout
+from .rewrite_layout import RewriteLayout, count_layout_transforms
 
 __all__ = [
     "ApplyFusionPolicy",
@@ -12,6 +12,7 @@ __all__ = [
     "FoldBatchNorm",
     "HorizontalFuse",
     "RewriteLayout",
+    "count_layout_transforms",
     "explain",
     "plan_module",
 ]

@@ -1,10 +1,12 @@
-"""CanonicalizeActivations: turn exporter-spelled GELU and SiLU back into single ops.
+"""CanonicalizeActivations: turn exporter-spelled GELU, SiLU and Clip back into single ops.
 
 ONNX below opset 20 has no GELU, so exporters write ``x * 0.5 * (1 + erf(x / sqrt(2)))``: five ops
 whose ``x`` feeds two branches. The unique-consumer rule rightly refuses to fuse across that
 diamond, so ``matmul -> add -> gelu`` would cost three kernels instead of one. Rewriting the
 subgraph to ``R.nn.gelu(x)`` (same formula after legalisation) makes it a plain epilogue.
-Likewise ``x * sigmoid(x)`` becomes ``R.nn.silu(x)``.
+Likewise ``x * sigmoid(x)`` becomes ``R.nn.silu(x)``, and the Relax ONNX frontend's Clip, which it
+emits as opaque ``call_tir(maximum)`` / ``call_tir(minimum)`` TE kernels, becomes ``R.clip`` (or
+``R.maximum`` / ``R.minimum``), so later passes see a named elementwise op instead of a black box.
 
 Matching is done on the dataflow graph (any association/commutation of the multiplies, ``x * c``
 or ``x / sqrt(2)`` inside erf); the replaced binding keeps its variable, and the now-dead
@@ -17,6 +19,7 @@ import math
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -87,6 +90,41 @@ def _match_gelu(var, var2val):
     return None
 
 
+def _tir_clamp(expr, var2val, mod):
+    """``(kind, x, bound)`` for ``call_tir(maximum|minimum, (x, scalar_const))`` emitted by the frontend."""
+    value = var2val.get(expr) if isinstance(expr, relax.Var) else expr
+    if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.call_tir"):
+        return None
+    gvar, args = value.args[0], value.args[1]
+    kind = gvar.name_hint.rstrip("0123456789")
+    if kind not in ("maximum", "minimum") or not isinstance(args, relax.Tuple) or len(args.fields) != 2:
+        return None
+    x, bound = args.fields
+    scalar = _scalar(bound, var2val)
+    func = mod[gvar] if mod is not None and gvar in mod.get_global_vars() else None
+    if scalar is None or func is None or len(func.params) != 3:
+        return None
+    if not isinstance(x.ty, relax.TensorType) or not tvm_ffi.structural_equal(x.ty, value.ty):
+        return None
+    op = "T.max(" if kind == "maximum" else "T.min("
+    if op not in func.script():
+        return None  # a PrimFunc that only shares the name
+    return kind, x, scalar
+
+
+def _match_clip(var, var2val, mod):
+    outer = _tir_clamp(var, var2val, mod)
+    if outer is None:
+        return None
+    kind, x, bound = outer
+    inner = _tir_clamp(x, var2val, mod)
+    if inner is not None and inner[0] != kind:
+        lo, hi = (inner[2], bound) if kind == "minimum" else (bound, inner[2])
+        return relax.op.clip(inner[1], lo, hi)
+    const = relax.const(bound, x.ty.dtype)
+    return relax.op.maximum(x, const) if kind == "maximum" else relax.op.minimum(x, const)
+
+
 def _match_silu(var, var2val):
     call = _op(var, var2val, "multiply")
     if call is None:
@@ -109,7 +147,7 @@ class CanonicalizeActivations:
                 continue
             if func.attrs is not None and "Primitive" in func.attrs.keys():
                 continue
-            new_func = _rewrite(func)
+            new_func = _rewrite(func, mod)
             if new_func is not None:
                 mod[gvar] = new_func
                 changed = True
@@ -118,7 +156,7 @@ class CanonicalizeActivations:
         return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(mod))
 
 
-def _rewrite(func: relax.Function) -> relax.Function | None:
+def _rewrite(func: relax.Function, mod: tvm.IRModule | None = None) -> relax.Function | None:
     var2val = relax.analysis.get_var2val(func)
     blocks, changed = [], False
     for block in func.body.blocks:
@@ -128,6 +166,8 @@ def _rewrite(func: relax.Function) -> relax.Function | None:
                 replacement = _match_gelu(binding.var, var2val)
                 if replacement is None:
                     replacement = _match_silu(binding.var, var2val)
+                if replacement is None:
+                    replacement = _match_clip(binding.var, var2val, mod)
                 if replacement is not None and np.dtype(str(binding.var.ty.dtype)).kind == "f":
                     binding = relax.VarBinding(binding.var, replacement)
                     changed = True

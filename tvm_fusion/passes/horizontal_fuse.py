@@ -68,6 +68,11 @@ _ELEMWISE_OPS = frozenset(
         "ceil", "round", "sin", "cos",
     )
 )
+# Consumers a strided_slice fuses into (FuseOps: injective producer -> injective/elemwise consumer).
+_SLICE_FRIENDLY = _ELEMWISE_OPS | frozenset(
+    "relax." + n for n in ("reshape", "permute_dims", "expand_dims", "squeeze", "flatten", "add",
+                           "subtract", "multiply", "divide")
+)
 _MATMUL = "relax.matmul"
 _CONV2D = "relax.nn.conv2d"
 _ADD = "relax.add"
@@ -169,6 +174,7 @@ class _Group:
     weight_axis: int = 0
     carry_bias: bool = False
     lhs: Optional[relax.Var] = None
+    slice_friendly: bool = False  # every output is read only by ops a strided_slice fuses into
 
     def out_vars(self):
         return [b.add_var if self.carry_bias else b.call_var for b in self.branches]
@@ -228,6 +234,7 @@ class _Planner:
             kind, split_axis, weight_axis = key[0], key[1], key[2]
             group = _Group(kind, branches, split_axis, weight_axis, lhs=branches[0].call.args[0])
             group.carry_bias = self.opts["carry_bias"] and self._bias_all(bi, group)
+            group.slice_friendly = all(self._slice_friendly(bi, v) for v in group.out_vars())
             groups.append(group)
         for key, branches in elem_buckets.items():
             groups += self._elem_groups(bi, branches)
@@ -307,6 +314,12 @@ class _Planner:
             br.bias = np.broadcast_to(padded, target)
         return True
 
+    def _slice_friendly(self, bi, var) -> bool:
+        block = self.func.body.blocks[bi]
+        sites = self.uses.get(var, [])
+        return bool(sites) and all(
+            b == bi and _op_name(block.bindings[p].value) in _SLICE_FRIENDLY for b, p in sites)
+
     # elementwise ------------------------------------------------------------------------------
     def _elem_key(self, var, call):
         if len(call.args) < 1 or not isinstance(call.args[0], relax.Var):
@@ -369,9 +382,11 @@ class _Rewriter(relax.PyExprMutator):
         self.output_op = output_op
         self.emit_at: dict = {}  # binding var -> groups to emit just before that binding
         self.drop: set = set()
-        for g in groups:
-            anchor = g.anchor_var
-            self.emit_at.setdefault(anchor, []).append(g)
+        # At a shared anchor, elementwise groups go first: they are emitted *before* the anchor
+        # binding (their inputs are all defined earlier), while a matmul/conv2d group replaces
+        # the anchor binding itself and may read an elementwise group's output.
+        for g in sorted(groups, key=lambda g: g.kind != "elementwise"):
+            self.emit_at.setdefault(g.anchor_var, []).append(g)
             self.drop.update(g.dropped_vars())
 
     def visit_var_binding_(self, binding):
@@ -407,7 +422,10 @@ class _Rewriter(relax.PyExprMutator):
                 y = bb.emit(relax.op.add(y, relax.const(np.ascontiguousarray(bias))), "hfuse_bias")
             widths = [br.width for br in g.branches]
         bounds = [0] + [int(v) for v in np.cumsum(widths)]
-        if self.output_op == "split":
+        # elementwise groups always split: FuseOps folds concat -> op -> split into one kernel
+        use_slices = g.kind != "elementwise" and (
+            self.output_op == "strided_slice" or (self.output_op == "auto" and g.slice_friendly))
+        if not use_slices:
             parts = bb.emit(relax.op.split(y, bounds[1:-1], axis=g.split_axis), "hfuse_split")
             items = [relax.TupleGetItem(parts, i) for i in range(len(widths))]
         else:  # one slice per branch: each can fuse into its (injective) consumer
@@ -442,10 +460,14 @@ class HorizontalFuse:
     fuse_elementwise : enable concat -> op -> split for same-shape unary siblings (off).
     elementwise_max_numel : per-tensor element limit for the elementwise rewrite.
     carry_bias : concatenate constant bias adds into the merged op when all members have one.
-    output_op : ``"split"`` (default: one ``split`` + ``TupleGetItem``s) or ``"strided_slice"``
-        (one slice per branch). FuseOps never fuses the tuple-producing ``split`` with its
-        consumers, so ``split`` costs one extra copy kernel; slices are injective and fold into
-        injective consumers (e.g. the reshape/transpose after Q/K/V), saving that kernel.
+    output_op : how a merged matmul/conv2d result is cut back into branches:
+        ``"split"`` (default; one ``split`` + ``TupleGetItem``s), ``"strided_slice"`` (one slice
+        per branch) or ``"auto"`` (slices when every branch output is read only by
+        injective/elementwise ops, else split). FuseOps never fuses a matmul/conv2d's ``split``
+        with its consumers, so ``split`` costs one extra copy kernel; slices are injective and
+        fold into injective consumers (e.g. the reshape/transpose after Q/K/V), saving it - but
+        in front of a GEMM consumer each slice would be its own kernel. Elementwise groups
+        always use ``split`` (concat -> op -> split fuses into one kernel).
     """
 
     def __init__(self, min_branches: int = 2, fuse_matmul: bool = True, fuse_conv2d: bool = True,
@@ -453,8 +475,8 @@ class HorizontalFuse:
                  carry_bias: bool = True, output_op: str = "split"):
         if min_branches < 2:
             raise ValueError("min_branches must be >= 2")
-        if output_op not in ("split", "strided_slice"):
-            raise ValueError(f"output_op must be 'split' or 'strided_slice', not {output_op!r}")
+        if output_op not in ("split", "strided_slice", "auto"):
+            raise ValueError(f"output_op must be 'split', 'strided_slice' or 'auto', not {output_op!r}")
         self.output_op = output_op
         self.opts = dict(min_branches=int(min_branches), matmul=bool(fuse_matmul),
                          conv2d=bool(fuse_conv2d), elementwise=bool(fuse_elementwise),

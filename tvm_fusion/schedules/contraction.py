@@ -41,6 +41,7 @@ from ._util import (
     divisors_upto,
     int_extent,
     is_cpu,
+    num_cores,
     num_vector_registers,
     safe_rule,
     schedule_injective_block,
@@ -186,6 +187,8 @@ class Contraction(ScheduleRule):
         if not s_iters:
             return None
         out_region = stmt.writes[0]
+        cores = num_cores(target)
+        total = math.prod(it.dom for it in main_info.iters if it.kind == "S")
         best = None
         for v_it in s_iters:
             pen = 0.0
@@ -229,6 +232,9 @@ class Contraction(ScheduleRule):
                                 loads += vt * mult
                         work = rt * vt / lanes
                         cost = pen + 2.0 * loads / work
+                        # load imbalance across cores (1 tile on 2 cores: half the machine idles)
+                        ntiles = total // (vt * rt)
+                        cost *= math.ceil(ntiles / cores) * cores / max(ntiles, 1)
                         key = (cost, -work)
                         if best is None or key < best[0]:
                             best = (key, v_it, vt, row_it if rt > 1 else None, rt)

@@ -1,0 +1,347 @@
+"""RewriteLayout: conv regions in NCHW8c (LLVM) / NHWC (CUDA), transforms only at the edges."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
+
+from tvm_fusion import models
+from tvm_fusion.frontend import import_onnx
+from tvm_fusion.passes import rewrite_layout as rl
+from tvm_fusion.passes.rewrite_layout import RewriteLayout, choose_layout, count_layout_transforms
+from tvm_fusion.targets import llvm_target
+
+ZNVER3 = {"kind": "llvm", "mcpu": "znver3", "num-cores": 2}
+CUDA = {"kind": "cuda", "arch": "sm_80"}
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _fold_bn(mod: tvm.IRModule) -> tvm.IRModule:
+    """Inference BN -> per-channel multiply/add with constants (what BN folding leaves at least)."""
+    x, g, b, m, v = wildcard(), is_const(), is_const(), is_const(), is_const()
+    bn = is_op("relax.nn.batch_norm")(x, g, b, m, v)
+    pat = is_tuple_get_item(bn, 0)
+
+    def rewrite(expr, matches):
+        eps = float(matches[bn].attrs.epsilon)
+        gamma, beta, mean, var = (matches[p].value.numpy() for p in (g, b, m, v))
+        scale = gamma / np.sqrt(var + eps)
+        shift = beta - mean * scale
+        c = scale.shape[0]
+        y = relax.op.multiply(matches[x], relax.const(scale.reshape(1, c, 1, 1)))
+        return relax.op.add(y, relax.const(shift.reshape(1, c, 1, 1)))
+
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = rewrite_call(pat, rewrite, func)
+    return relax.transform.FoldConstant()(relax.transform.DeadCodeElimination()(mod))
+
+
+def _model(name: str):
+    return models.resnet_block_net() if name == "resnet" else models.mobilenet_block(size=16)
+
+
+def _prepared(name: str):
+    model = _model(name)
+    return _fold_bn(import_onnx(model).mod), models.random_inputs(model)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(name: str) -> np.ndarray:
+    """The unconverted model's output (onnxruntime: cheaper than compiling the NCHW module)."""
+    import onnxruntime as ort
+
+    model = _model(name)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, models.random_inputs(model))[0]
+
+
+def _run(mod, feeds):
+    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(ZNVER3)), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(v) for v in feeds.values()])
+    return out.numpy()
+
+
+def _calls(mod, op_name, func_name="main"):
+    found = []
+
+    def visit(e):
+        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == op_name:
+            found.append(e)
+
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function) and (func_name is None or gv.name_hint == func_name):
+            relax.analysis.post_order_visit(func, visit)
+    return found
+
+
+def _lt_of_constant(mod) -> int:
+    return sum(isinstance(c.args[0], tvm.ir.expr.Constant) for c in _calls(mod, "relax.layout_transform", None))
+
+
+def _module(build):
+    """A one-function module from ``build(bb, x) -> out`` on a (1, 16, 8, 8) input."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 16, 8, 8), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(build(bb, x))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype("float32")
+
+
+# -- layout choice -------------------------------------------------------------------------------
+def test_choose_layout_per_target():
+    assert choose_layout(ZNVER3) == "NCHW8c"  # AVX2: 256-bit / fp32
+    assert choose_layout({"kind": "llvm", "mcpu": "skylake-avx512"}) == "NCHW16c"
+    assert choose_layout(CUDA) == "NHWC"
+    assert choose_layout(CUDA, layout="NCHW4c") == "NCHW4c"
+    assert choose_layout(ZNVER3, layout="NCHW") == "NCHW"
+    with tvm.target.Target(CUDA):
+        assert choose_layout() == "NHWC"
+    with pytest.raises(ValueError):
+        RewriteLayout(layout="NCWH")(_module(lambda bb, x: relax.op.nn.relu(x)))
+
+
+# -- the models on CPU --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["resnet", "mobilenet"])
+def test_cpu_nchw8c_models(name):
+    mod, feeds = _prepared(name)
+    assert count_layout_transforms(mod) == 0
+    new = RewriteLayout(target=ZNVER3)(mod)
+    assert new.get_global_var("main").name_hint == "main"
+
+    convs = _calls(new, "relax.nn.conv2d")
+    assert len(convs) == len(_calls(mod, "relax.nn.conv2d")) > 0
+    for conv in convs:
+        assert str(conv.attrs.out_layout) == "NCHW8c"
+        assert str(conv.attrs.kernel_layout).startswith("OIHW")
+        in_ch = conv.args[0].ty.shape.values[1]
+        # the RGB stem reads NCHW3c (one chunk of 3 channels); every other conv reads NCHW8c
+        assert str(conv.attrs.data_layout) == ("NCHW3c" if int(in_ch) == 1 and name == "resnet" else "NCHW8c")
+    # every other 4-D op of the conv region follows (no NCHW relu / add / clip left in between)
+    assert all(len(c.ty.shape.values) == 5 for c in _calls(new, "relax.nn.relu"))
+
+    # one transform at the input, one at the output (resnet: after the global mean, before reshape)
+    assert count_layout_transforms(new) == 2
+    assert _lt_of_constant(new) == 0
+    folded = relax.transform.FoldConstant()(new)
+    assert _lt_of_constant(folded) == 0 and count_layout_transforms(folded) == 2
+    # still 2 after legalization / the zero pipeline (call_tir to te_layout_transform)
+    zero = relax.get_pipeline("zero")(new)
+    assert count_layout_transforms(zero) == 2
+    assert not _calls(zero, "relax.nn.conv2d", None)
+
+    np.testing.assert_allclose(_run(zero, feeds), _reference(name), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet", "mobilenet"])
+def test_cpu_nhwc_override_models(name):
+    mod, feeds = _prepared(name)
+    new = RewriteLayout(target=ZNVER3, layout="NHWC")(mod)
+    for conv in _calls(new, "relax.nn.conv2d"):
+        assert (str(conv.attrs.data_layout), str(conv.attrs.kernel_layout)) == ("NHWC", "OHWI")
+    assert count_layout_transforms(new) == 2
+    np.testing.assert_allclose(_run(new, feeds), _reference(name), atol=1e-4, rtol=0)
+
+
+def test_with_fold_batch_norm_pipeline():
+    """The order it runs in: FoldBatchNorm + FoldConstant, then RewriteLayout."""
+    fold_batch_norm = pytest.importorskip("tvm_fusion.passes.fold_batch_norm")
+    model = models.resnet_block_net()
+    mod = relax.transform.FoldConstant()(fold_batch_norm.FoldBatchNorm()(import_onnx(model).mod))
+    new = RewriteLayout(target=ZNVER3)(mod)
+    assert count_layout_transforms(new) == 2
+    np.testing.assert_allclose(_run(new, models.random_inputs(model)), _reference("resnet"), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_standalone_on_raw_import():
+    """Unfolded batch_norm is a region boundary: more transforms, same numbers."""
+    model = _model("mobilenet")
+    new = RewriteLayout(target=ZNVER3)(import_onnx(model).mod)
+    assert all(str(c.attrs.data_layout) == "NCHW8c" for c in _calls(new, "relax.nn.conv2d"))
+    assert count_layout_transforms(new) > 2  # in/out of each batch_norm
+    np.testing.assert_allclose(_run(new, models.random_inputs(model)), _reference("mobilenet"), atol=1e-4, rtol=0)
+
+
+# -- op coverage, broadcasting, fallback --------------------------------------------------------
+def _pool_and_broadcast_module():
+    w1, w2 = _rand(16, 16, 3, 3, seed=1) * 0.2, _rand(16, 16, 1, 1, seed=2) * 0.2
+    per_channel_rank3 = _rand(16, 1, 1, seed=3)  # broadcasts as (1, 16, 1, 1)
+    along_w = _rand(1, 1, 1, 8, seed=4)  # broadcasts along W: must not land on the c axis
+
+    def build(bb, x):
+        y = bb.emit(relax.op.nn.conv2d(x, relax.const(w1), padding=1))
+        y = bb.emit(relax.op.multiply(y, relax.const(per_channel_rank3)))
+        y = bb.emit(relax.op.add(y, relax.const(along_w)))
+        y = bb.emit(relax.op.clip(y, 0.0, 6.0))
+        y = bb.emit(relax.op.nn.max_pool2d(y, pool_size=3, strides=1, padding=1))
+        y = bb.emit(relax.op.nn.conv2d(y, relax.const(w2)))
+        y = bb.emit(relax.op.nn.avg_pool2d(y, pool_size=2, strides=2))
+        y = bb.emit(relax.op.subtract(y, relax.const(np.float32(0.5))))
+        y = bb.emit(relax.op.nn.adaptive_avg_pool2d(y, output_size=(1, 1)))
+        return relax.op.reshape(y, (1, 16))
+
+    return _module(build)
+
+
+@pytest.mark.parametrize("layout", ["NCHW8c", "NHWC"])
+def test_pools_and_broadcast_constants(layout):
+    mod = _pool_and_broadcast_module()
+    new = RewriteLayout(target=ZNVER3, layout=layout)(mod)
+    for op in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d"):
+        (call,) = _calls(new, op)
+        assert str(call.attrs.layout) == layout
+    assert count_layout_transforms(new) == 2  # input, and before the reshape
+    assert _lt_of_constant(new) == 0
+    x = {"x": _rand(1, 16, 8, 8, seed=5)}
+    np.testing.assert_allclose(_run(new, x), _run(mod, x), atol=1e-4, rtol=0)
+
+
+def test_fallback_when_block_does_not_divide_channels():
+    w1, w2, w3 = _rand(16, 16, 3, 3, seed=1) * 0.2, _rand(12, 16, 1, 1, seed=2), _rand(16, 12, 1, 1, seed=3)
+
+    def build(bb, x):
+        y = bb.emit(relax.op.nn.relu(bb.emit(relax.op.nn.conv2d(x, relax.const(w1), padding=1))))
+        y = bb.emit(relax.op.nn.relu(bb.emit(relax.op.nn.conv2d(y, relax.const(w2)))))  # 12 out
+        return relax.op.nn.conv2d(y, relax.const(w3))  # 12 in
+
+    mod = _module(build)
+    new = RewriteLayout(target=ZNVER3)(mod)
+    assert [str(c.attrs.data_layout) for c in _calls(new, "relax.nn.conv2d")] == ["NCHW8c", "NCHW", "NCHW"]
+    assert count_layout_transforms(new) == 2  # into the first conv's region, and out of it
+    x = {"x": _rand(1, 16, 8, 8, seed=5)}
+    np.testing.assert_allclose(_run(new, x), _run(mod, x), atol=1e-4, rtol=0)
+
+
+# -- transform cleanup ----------------------------------------------------------------------------
+def test_hand_written_pair_is_cancelled():
+    to_c = rl._Layout(8).to_map()
+    from_c = rl._Layout(8).from_map()
+
+    def build(bb, x):
+        y = bb.emit(relax.op.layout_transform(x, to_c))
+        y = bb.emit(relax.op.layout_transform(y, from_c))
+        return relax.op.nn.relu(y)
+
+    mod = _module(build)
+    assert count_layout_transforms(mod) == 2
+    for layout in ("NCHW", None):  # also when the pass would otherwise leave the graph alone
+        new = RewriteLayout(target=ZNVER3, layout=layout)(mod)
+        assert count_layout_transforms(new) == 0
+    x = {"x": _rand(1, 16, 8, 8)}
+    np.testing.assert_allclose(_run(new, x), _run(mod, x), atol=0, rtol=0)
+
+
+def test_non_identity_pair_is_kept_where_stock_optimize_layout_transform_drops_it():
+    """Two NCHW->NHWC transposes of a 'square' (1, 8, 8, 8) tensor: shapes match, maps do not."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 8, 8), "float32"))
+    nhwc = rl._Layout(0).to_map()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.layout_transform(x, nhwc))
+            y = bb.emit(relax.op.layout_transform(y, nhwc))
+            out = bb.emit_output(relax.op.nn.relu(y))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    ours = RewriteLayout(layout="NCHW")(mod)
+    stock = relax.transform.OptimizeLayoutTransform()(mod)
+    assert count_layout_transforms(ours) == 2
+    assert count_layout_transforms(stock) == 0  # stock compares shapes only: wrong here
+    feeds = {"x": _rand(1, 8, 8, 8)}
+    np.testing.assert_allclose(_run(ours, feeds), _run(mod, feeds), atol=0, rtol=0)
+    assert np.abs(_run(stock, feeds) - _run(mod, feeds)).max() > 0.1
+
+
+def test_transform_of_constant_is_folded():
+    c = _rand(1, 16, 8, 8, seed=7)
+    to_c = rl._Layout(8).to_map()
+
+    def build(bb, x):
+        xc = bb.emit(relax.op.layout_transform(x, to_c))
+        cc = bb.emit(relax.op.layout_transform(relax.const(c), to_c))
+        return relax.op.add(xc, cc)
+
+    mod = _module(build)
+    assert _lt_of_constant(mod) == 1
+    new = RewriteLayout(layout="NCHW")(mod)
+    assert _lt_of_constant(new) == 0 and count_layout_transforms(new) == 1
+    x = {"x": _rand(1, 16, 8, 8)}
+    np.testing.assert_allclose(_run(new, x), _run(mod, x), atol=0, rtol=0)
+
+
+# -- against the stock passes ---------------------------------------------------------------------
+def test_stock_convert_layout_leaves_transforms_between_regions():
+    mod, _ = _prepared("mobilenet")
+    stock = relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "OHWI"]})(mod)
+    ours = RewriteLayout(target=CUDA)(mod)
+    # stock transposes around every Clip (a call_tir from the importer) and twice at the input
+    assert count_layout_transforms(stock, include_permute_dims=True) >= 6
+    assert count_layout_transforms(ours, include_permute_dims=True) == 2
+
+
+def test_stock_conv2d_legalization_refuses_nchwc():
+    """Why we register a legalization: the stock one returns NCHWc conv2d unchanged."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 2, 8, 8, 8), "float32"))
+    w = relax.const(_rand(2, 2, 3, 3, 8, 8))
+    call = relax.op.nn.conv2d(x, w, padding=1, data_layout="NCHW8c", kernel_layout="OIHW8i8o")
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            call = bb.normalize(call)
+            assert rl._stock_conv2d_legalize(bb, call).same_as(call)
+            out = bb.emit_output(rl.legalize_conv2d_nchwc(bb, call))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    (prim,) = [f for gv, f in mod.functions.items() if gv.name_hint == "conv2d_NCHWc"]
+    assert isinstance(prim, tvm.tirx.PrimFunc)
+    # reference: NCHW conv of the unblocked tensors
+    xn = _rand(1, 2, 8, 8, 8, seed=3)
+    got = _run(mod, {"x": xn})
+    wn = w.value.numpy()
+    x_nchw = xn.transpose(0, 1, 4, 2, 3).reshape(1, 16, 8, 8)
+    w_oihw = wn.transpose(0, 5, 1, 4, 2, 3).reshape(16, 16, 3, 3)
+    ref = _run(_module(lambda bb, v: relax.op.nn.conv2d(v, relax.const(w_oihw), padding=1)), {"x": x_nchw})
+    np.testing.assert_allclose(got, ref.reshape(1, 2, 8, 8, 8).transpose(0, 1, 3, 4, 2), atol=1e-4, rtol=0)
+
+
+# -- CUDA: compile only ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["resnet", "mobilenet"])
+def test_cuda_nhwc_builds(name):
+    import tvm.s_tir.dlight as dl
+
+    from tvm_fusion.targets import parse_target
+
+    mod, _ = _prepared(name)
+    target = parse_target(CUDA)
+    new = RewriteLayout(target=target)(mod)
+    for conv in _calls(new, "relax.nn.conv2d"):
+        assert (str(conv.attrs.data_layout), str(conv.attrs.kernel_layout)) == ("NHWC", "OHWI")
+    assert count_layout_transforms(new) == 2
+    lowered = relax.get_pipeline("zero")(new)
+    with target:
+        lowered = dl.ApplyDefaultSchedule(
+            dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
+        )(lowered)
+    ex = tvm.compile(lowered, target=target)
+    assert ex is not None
+    assert count_layout_transforms(lowered) == 2
+
+
+def test_default_target_is_host_cpu():
+    mod, _ = _prepared("resnet")
+    new = RewriteLayout()(mod)
+    expected = choose_layout(llvm_target())
+    assert {str(c.attrs.out_layout) for c in _calls(new, "relax.nn.conv2d")} == {expected}
