@@ -127,3 +127,30 @@ def _tensor_bytes(ty) -> int:
         return 0
     dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else 1 for d in ty.shape.values]
     return int(np.prod(dims, dtype=np.int64)) * np.dtype(str(ty.dtype)).itemsize
+
+
+def model_flops(mod: tvm.IRModule) -> float:
+    """FLOPs of one inference, from the high-level ops (convs and matmuls dominate; others count 1/element)."""
+    total = 0.0
+    for call in _calls(mod):
+        if not isinstance(call.op, tvm.ir.Op) or not isinstance(call.ty, relax.TensorType):
+            continue
+        out = _tensor_bytes(call.ty) / max(np.dtype(str(call.ty.dtype)).itemsize, 1)
+        name = call.op.name
+        if name.startswith("relax.nn.conv") and len(call.args) >= 2:
+            w = [int(d) for d in call.args[1].ty.shape.values]
+            kernel_layout = str(getattr(call.attrs, "kernel_layout", "OIHW"))
+            per_out = int(np.prod(w)) // _out_channels(w, kernel_layout)
+            total += 2.0 * out * per_out
+        elif name == "relax.matmul":
+            k = call.args[0].ty.shape.values[-1]
+            total += 2.0 * out * (int(k) if isinstance(k, tvm.tirx.IntImm) else 1)
+        elif not name.startswith(("relax.call_", "relax.reshape", "relax.permute_dims", "relax.layout_transform")):
+            total += out
+    return total
+
+
+def _out_channels(weight_shape: list[int], kernel_layout: str) -> int:
+    """Output channels of a conv weight in any layout ("OIHW", "OHWI", "OIHW8i8o" ...)."""
+    letters = [c for c in kernel_layout if c.isalpha()]
+    return int(np.prod([d for d, c in zip(weight_shape, letters) if c in "Oo"])) or 1

@@ -244,8 +244,8 @@ def _reads_per_element(consumer: Node, arg: relax.Var) -> float:
     if name.startswith("nn.conv") and len(args) >= 2:
         w = _shape(args[1])
         if args[0].same_as(arg):
-            groups = int(consumer.call.attrs["groups"]) if "groups" in consumer.call.attrs.keys() else 1
-            strides = [int(s) for s in consumer.call.attrs["strides"]]
+            groups = int(getattr(consumer.call.attrs, "groups", 1))
+            strides = [int(s) for s in getattr(consumer.call.attrs, "strides", [1])]
             return max(1.0, w[0] / groups * float(np.prod(w[2:])) / float(np.prod(strides)))
         out = _shape(consumer.var)
         return float(out[0] * np.prod(out[2:]))

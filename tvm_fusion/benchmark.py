@@ -1,0 +1,248 @@
+"""Side-by-side benchmark: ONNX Runtime, stock TVM, tvm_fusion (untuned, tuned, unfused).
+
+Everything runs in one process on the same machine with the same thread count, each variant
+numerically checked against ONNX Runtime before it is timed. Results: a markdown table (median and
+p90 over ``runs`` timed runs after warm-up, ratio vs ONNX Runtime, kernel count, bytes moved at
+kernel boundaries), a PNG bar chart, a JSON dump, and the machine's roofline (copy bandwidth and
+GEMM FLOP/s measured with numpy) so each model's distance from the machine limit is visible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from . import models
+from .api import build
+from .frontend import import_onnx
+from .policy import Roofline
+from .profiling import kernel_times
+from .report import estimated_bytes, kernel_count, model_flops
+from .targets import llvm_target, target_key
+
+
+@dataclasses.dataclass
+class Row:
+    model: str
+    variant: str
+    median_ms: float | None
+    p90_ms: float | None
+    kernels: int | None
+    bytes_moved: int | None
+    max_abs_err: float | None
+    note: str = ""
+    ratio_vs_ort: float | None = None
+    top_kernels: list = dataclasses.field(default_factory=list)
+
+
+def _timings_ms(fn: Callable[[], None], runs: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _stats(times: list[float]) -> tuple[float, float]:
+    return float(np.median(times)), float(np.percentile(times, 90))
+
+
+def time_ort(model, feeds, threads: int, runs: int, warmup: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    out = session.run(None, feeds)[0]
+    return out, _timings_ms(lambda: session.run(None, feeds), runs, warmup)
+
+
+def time_vm(executable, feeds, runs: int, warmup: int, profile_top: int = 0):
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    args = [tvm.runtime.tensor(v) for v in feeds.values()]
+    out = vm["main"](*args).numpy()
+    times = _timings_ms(lambda: vm["main"](*args), runs, warmup)
+    top = kernel_times(vm, args, repeat=3)[:profile_top] if profile_top else []
+    return out, times, top
+
+
+def stock_build(model, target):
+    """Stock TVM as a user gets it: ``relax.get_pipeline("zero")`` (FuseOps/FuseTIR) + tvm.compile."""
+    mod = import_onnx(model).mod
+    with target:
+        mod = relax.get_pipeline("zero")(mod)
+    return tvm.compile(mod, target=target), mod
+
+
+def benchmark_model(name: str, model, target, *, runs: int, warmup: int, tuning_logs, profile_top: int = 5,
+                    variants=("onnxruntime", "stock", "untuned", "tuned", "unfused"), log=print) -> list[Row]:
+    feeds = models.random_inputs(model)
+    threads = int(target.attrs.get("num-cores", os.cpu_count() or 1))
+    rows: list[Row] = []
+    ref, times = time_ort(model, feeds, threads, runs, warmup)
+    if "onnxruntime" in variants:
+        rows.append(Row(name, "onnxruntime", *_stats(times), None, None, 0.0, f"{threads} threads, ORT_ENABLE_ALL"))
+        log(f"  onnxruntime: {rows[-1].median_ms:.3f} ms")
+
+    def add(variant, executable, lowered, note="", top=0):
+        out, times, top_rows = time_vm(executable, feeds, runs, warmup, top)
+        err = float(np.max(np.abs(out - ref)))
+        rows.append(Row(name, variant, *_stats(times), kernel_count(lowered), estimated_bytes(lowered), err, note,
+                        top_kernels=top_rows))
+        log(f"  {variant}: {rows[-1].median_ms:.3f} ms, {rows[-1].kernels} kernels, max abs err {err:.2g}")
+
+    if "stock" in variants:
+        executable, lowered = stock_build(model, target)
+        add("stock TVM (zero pipeline)", executable, lowered, "FuseOps+FuseTIR, no schedules")
+    if "untuned" in variants:
+        result = build(model, target, name=name, tuning_logs=None)
+        add("tvm_fusion untuned", result.executable, result.lowered, "default schedules", profile_top)
+    if "tuned" in variants:
+        result = build(model, target, name=name, tuning_logs=tuning_logs)
+        if result.tuned_kernels:
+            add("tvm_fusion tuned", result.executable, result.lowered,
+                f"{result.tuned_kernels} kernels from tuning_logs/{name}/{target_key(target)}", profile_top)
+        else:
+            rows.append(Row(name, "tvm_fusion tuned", None, None, None, None, None,
+                            f"no records: run `tvm-fusion tune {name}` ({result.records_note})"))
+            log(f"  tuned: skipped ({result.records_note})")
+    if "unfused" in variants:
+        result = build(model, target, name=name, tuning_logs=None, fusion=False)
+        add("unfused (tvm_fusion, fusion off)", result.executable, result.lowered, "one kernel per op")
+    ort_ms = rows[0].median_ms if rows and rows[0].variant == "onnxruntime" else None
+    for row in rows:
+        if ort_ms and row.median_ms:
+            row.ratio_vs_ort = row.median_ms / ort_ms
+    return rows
+
+
+def model_roofline_ms(model, roofline: Roofline, target) -> tuple[float, float, int]:
+    """(lower-bound ms, GFLOP, bytes): the best this machine could do for the model."""
+    mod = import_onnx(model).mod
+    flops = model_flops(mod)
+    result = build(model, target, tuning_logs=None)
+    moved = estimated_bytes(result.lowered)
+    return roofline.seconds(moved, flops) * 1e3, flops / 1e9, moved
+
+
+SUITES = {
+    "full": [("resnet_block_net", models.resnet_block_net), ("resnet18", models.resnet18), ("bert_layer", models.bert_layer)],
+    "quick": [("resnet_block_net", models.resnet_block_net), ("transformer_block", models.transformer_block)],
+}
+
+
+def run(suite: str = "full", out_dir: str | Path = "docs", runs: int = 30, warmup: int = 5,
+        tuning_logs: str | Path = "tuning_logs", target=None, log=print) -> Path:
+    target = target or llvm_target()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log("measuring the machine roofline (numpy copy bandwidth, GEMM FLOP/s) ...")
+    roof = Roofline.measure()
+    log(f"  {roof.bandwidth_gbps} GB/s, {roof.peak_gflops} GFLOP/s")
+    all_rows, limits = [], {}
+    for name, make in SUITES[suite]:
+        log(f"== {name}")
+        model = make()
+        limits[name] = model_roofline_ms(model, roof, target)
+        all_rows += benchmark_model(name, model, target, runs=runs, warmup=warmup, tuning_logs=tuning_logs, log=log)
+    report = format_markdown(all_rows, limits, roof, target, runs, warmup)
+    md_path = out_dir / ("benchmarks.md" if suite == "full" else f"benchmarks_{suite}.md")
+    md_path.write_text(report)
+    (md_path.with_suffix(".json")).write_text(json.dumps([dataclasses.asdict(r) for r in all_rows], indent=1, default=str))
+    plot(all_rows, md_path.with_suffix(".png"))
+    log(report)
+    log(f"wrote {md_path}, {md_path.with_suffix('.json')}, {md_path.with_suffix('.png')}")
+    return md_path
+
+
+def _fmt(value, spec):
+    return "—" if value is None else format(value, spec)
+
+
+def format_markdown(rows: list[Row], limits, roof: Roofline, target, runs: int, warmup: int) -> str:
+    import onnxruntime
+
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Measured {datetime.date.today().isoformat()} on {platform.processor() or platform.machine()} "
+        f"({os.cpu_count()} cores), target `{json.dumps(json.loads(str(target)), separators=(',', ':'))}`, "
+        f"TVM {tvm.__version__}, ONNX Runtime {onnxruntime.__version__}. Median and p90 over {runs} runs "
+        f"after {warmup} warm-up runs, all variants in one process; max abs error is against ONNX Runtime.",
+        "",
+        f"Machine roofline (numpy): copy bandwidth {roof.bandwidth_gbps} GB/s, GEMM {roof.peak_gflops} GFLOP/s.",
+        "",
+        "| model | variant | median ms | p90 ms | × ORT | kernels | MB moved | max abs err | notes |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        mb = None if r.bytes_moved is None else r.bytes_moved / 2**20
+        lines.append(f"| {r.model} | {r.variant} | {_fmt(r.median_ms, '.3f')} | {_fmt(r.p90_ms, '.3f')} | "
+                     f"{_fmt(r.ratio_vs_ort, '.2f')} | {_fmt(r.kernels, 'd')} | {_fmt(mb, '.1f')} | "
+                     f"{_fmt(r.max_abs_err, '.1e')} | {r.note} |")
+    lines += ["", "## Distance from the machine limit", "",
+              "| model | GFLOP | roofline lower bound ms | best tvm_fusion ms | % of limit |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, (bound_ms, gflop, _moved) in limits.items():
+        ours = [r.median_ms for r in rows if r.model == name and r.variant.startswith("tvm_fusion") and r.median_ms]
+        best = min(ours) if ours else None
+        pct = None if not best else 100 * bound_ms / best
+        lines.append(f"| {name} | {gflop:.2f} | {bound_ms:.3f} | {_fmt(best, '.3f')} | {_fmt(pct, '.0f')} |")
+    lines += ["", "## Top kernels (VM instrumentation)", ""]
+    for r in rows:
+        if r.top_kernels:
+            lines.append(f"**{r.model} — {r.variant}**: " + ", ".join(f"`{k}` {ms:.3f} ms" + (f" ×{n}" if n > 1 else "")
+                                                               for k, ms, n in r.top_kernels))
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r.model for r in rows))
+    variants = list(dict.fromkeys(r.variant for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        sub = {r.variant: r.median_ms for r in rows if r.model == name}
+        vals = [sub.get(v) or 0.0 for v in variants]
+        ax.bar(range(len(variants)), vals, color=[f"C{i}" for i in range(len(variants))])
+        ax.set_yscale("log")
+        ax.set_title(name)
+        ax.set_ylabel("median latency, ms (log)")
+        ax.set_xticks(range(len(variants)))
+        ax.set_xticklabels(variants, rotation=35, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models, few runs: checks that the benchmark completes")
+    parser.add_argument("--out", default="docs")
+    parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--tuning-logs", default="tuning_logs")
+    args = parser.parse_args(argv)
+    runs = args.runs or (5 if args.quick else 30)
+    run("quick" if args.quick else "full", args.out, runs=runs, warmup=2 if args.quick else 5, tuning_logs=args.tuning_logs)
+    return 0
