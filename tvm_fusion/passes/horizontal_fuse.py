@@ -23,28 +23,39 @@ What it rewrites (every group needs >= ``min_branches`` members, same dataflow b
   ``add`` with a constant whose broadcast does not change the output shape, the biases are
   concatenated and added once before the split (exact same math). Otherwise the matmuls/convs
   are still merged and the existing adds stay after the split.
+* **activation carrying**: if then every member's result feeds exactly one identical unary
+  elementwise op (relu, gelu, sigmoid, clip, ...), it is applied once before the split too, so
+  conv+bias+relu branches stay one kernel (without this each branch's relu would become its
+  own kernel after the split).
+* **output form** (``output_op``): ``split`` by default; ``strided_slice`` per branch, or
+  ``auto`` (slices only when all consumers are injective/elementwise, where FuseOps folds the
+  slice into the consumer, e.g. Q/K/V's reshape+transpose; a matmul's ``split`` never fuses).
 * **elementwise** (off by default, ``fuse_elementwise=True``): the same unary op (relu,
   sigmoid, ...; identical attrs) on different same-shape/dtype tensors -> ``concat`` on axis 0
-  -> op -> ``split``. Benefit rule: it only removes launches, while ``concat`` and ``split``
-  each add a full read+write of the data unless FuseOps folds them into the op's kernel. So it
-  fires only for groups of >= ``min_branches`` tensors of at most ``elementwise_max_numel``
-  elements each (launch-bound sizes), and only where the merged op can be placed after all
-  inputs and before every use of the outputs.
+  -> op -> ``split``. Benefit rule: it only saves launches (N kernels -> 1: FuseOps folds
+  concat -> op -> split into one kernel), while the concat/split inside that kernel may still
+  materialise an intermediate (up to 2 extra passes over the data). So it fires only for
+  groups of >= ``min_branches`` tensors of at most ``elementwise_max_numel`` elements each
+  (default 16384: launch-bound sizes, where ~us launch cost exceeds moving <= 64 KiB), and
+  only where the merged op can be placed after all inputs and before every use of the
+  outputs.
 
 Difference from stock ``relax.transform.CombineParallelMatmul`` (which we do not duplicate:
 run it too if weights are function parameters):
 the stock pass binds the RHS through dataflow-pattern matches that must be *Vars*, so with
 constant weights (``from_onnx(..., keep_params_in_input=False)`` + ``FoldConstant``) it fuses
 nothing - Q/K/V of ``models.transformer_block()`` stay three matmuls. When it does fire it
-emits a runtime ``concat`` of the weights. It also has no conv2d support, and only carries
-bias adds of the form ``add(matmul, b)`` with Var biases. This pass handles constant weights
-(folded at compile time), the ONNX Gemm ``permute_dims`` form, conv2d siblings, commutative
-bias adds with constant (also reshaped) biases, and optional elementwise siblings.
+emits a runtime ``concat`` of the weights. It also has no conv2d support, its bias and
+activation carrying (relu/gelu/gelu_tanh/silu only) likewise needs Var biases, and it always
+splits. This pass handles constant weights (concatenated at compile time), the ONNX Gemm
+``permute_dims`` form, conv2d siblings, commutative bias adds with constant (also reshaped)
+biases, more activations, slice outputs, and optional elementwise siblings.
 
 Counting: the pass records what it did in the module attribute ``"tvm_fusion.horizontal_fuse"``
 (a dict ``{"groups", "branches", "matmul", "conv2d", "elementwise"}``, accumulated over runs);
-``count_horizontal_groups(mod)`` returns it, or counts the recognisable ``split``s structurally
-when the attribute was dropped by a later pass.
+``count_horizontal_groups(mod)`` returns it, or counts the recognisable ``split``/slice sets
+structurally when the attribute was dropped by a later pass (the attribute survives
+``relax.get_pipeline("zero")``). New bindings are named ``hfuse_*``.
 """
 
 from __future__ import annotations
@@ -164,6 +175,8 @@ class _Branch:
     width: int = 0  # size along the split axis
     add_var: Optional[relax.Var] = None  # bias add using call_var (candidate)
     bias: Optional[np.ndarray] = None
+    act_var: Optional[relax.Var] = None  # unary activation after the (bias-added) result
+    act: Optional[relax.Call] = None
 
 
 @dataclasses.dataclass
@@ -176,13 +189,20 @@ class _Group:
     lhs: Optional[relax.Var] = None
     slice_friendly: bool = False  # every output is read only by ops a strided_slice fuses into
 
-    def out_vars(self):
+    carry_act: bool = False
+
+    def _pre_act_vars(self):
         return [b.add_var if self.carry_bias else b.call_var for b in self.branches]
+
+    def out_vars(self):
+        return [b.act_var for b in self.branches] if self.carry_act else self._pre_act_vars()
 
     def dropped_vars(self):
         out = [b.call_var for b in self.branches]
         if self.carry_bias:
             out += [b.add_var for b in self.branches]
+        if self.carry_act:
+            out += [b.act_var for b in self.branches]
         return out
 
 
@@ -228,17 +248,32 @@ class _Planner:
                 buckets.setdefault(key, []).append(br)
 
         groups = []
-        for key, branches in buckets.items():
+        for key, branches in self._chunked(buckets):
             if len(branches) < self.opts["min_branches"]:
                 continue
             kind, split_axis, weight_axis = key[0], key[1], key[2]
             group = _Group(kind, branches, split_axis, weight_axis, lhs=branches[0].call.args[0])
             group.carry_bias = self.opts["carry_bias"] and self._bias_all(bi, group)
+            group.carry_act = self.opts["carry_activation"] and self._act_all(bi, group)
             group.slice_friendly = all(self._slice_friendly(bi, v) for v in group.out_vars())
             groups.append(group)
+        taken = {v for g in groups for v in g.dropped_vars()}  # e.g. activations carried above
         for key, branches in elem_buckets.items():
-            groups += self._elem_groups(bi, branches)
+            groups += self._elem_groups(bi, [b for b in branches if b.call_var not in taken])
         return groups
+
+    def _chunked(self, buckets):
+        """Cut each bucket, in binding order, into runs whose merged width <= max_fused_width."""
+        cap = self.opts["max_fused_width"]
+        for key, branches in buckets.items():
+            run, width = [], 0
+            for br in branches:
+                if cap is not None and run and width + br.width > cap:
+                    yield key, run
+                    run, width = [], 0
+                run.append(br)
+                width += br.width
+            yield key, run
 
     # matmul ---------------------------------------------------------------------------------
     def _matmul_branch(self, pi, var, call):
@@ -312,6 +347,33 @@ class _Planner:
             others = rest
             br.add_var = add_binding.var
             br.bias = np.broadcast_to(padded, target)
+        return True
+
+    def _act_all(self, bi, group) -> bool:
+        """True when every branch's result feeds exactly one identical unary elementwise op.
+
+        Carried so that conv+bias+relu branches keep their activation in the merged kernel
+        (otherwise it would become one extra kernel per branch after the split).
+        """
+        first = None
+        for var, br in zip(group._pre_act_vars(), group.branches):
+            sites = self.uses.get(var, [])
+            if len(sites) != 1 or sites[0][0] != bi:
+                return False
+            binding = self.func.body.blocks[bi].bindings[sites[0][1]]
+            value = binding.value
+            if not isinstance(binding, relax.VarBinding) or _op_name(value) not in _ELEMWISE_OPS:
+                return False
+            if not value.args[0].same_as(var) or any(a.same_as(var) for a in value.args[1:]):
+                return False
+            if _static_shape(binding.var) != _static_shape(var) or _dtype(binding.var) != _dtype(var):
+                return False
+            if first is None:
+                first = value
+            elif not (value.op.same_as(first.op) and tvm_ffi.structural_equal(value.args[1:], first.args[1:])
+                      and tvm_ffi.structural_equal(value.attrs, first.attrs)):
+                return False
+            br.act_var, br.act = binding.var, value
         return True
 
     def _slice_friendly(self, bi, var) -> bool:
@@ -420,6 +482,10 @@ class _Rewriter(relax.PyExprMutator):
                 rank = max(br.bias.ndim for br in g.branches)  # drop leading broadcast 1s
                 bias = bias.reshape(bias.shape[bias.ndim - rank:]) if rank < bias.ndim else bias
                 y = bb.emit(relax.op.add(y, relax.const(np.ascontiguousarray(bias))), "hfuse_bias")
+            if g.carry_act:
+                act = g.branches[0].act
+                args = [y] + [self.visit_expr(a) for a in act.args[1:]]
+                y = bb.emit(relax.Call(act.op, args, act.attrs, act.ty_args), "hfuse_act")
             widths = [br.width for br in g.branches]
         bounds = [0] + [int(v) for v in np.cumsum(widths)]
         # elementwise groups always split: FuseOps folds concat -> op -> split into one kernel
@@ -459,7 +525,11 @@ class HorizontalFuse:
     fuse_matmul, fuse_conv2d : enable the GEMM / conv2d rewrites (on by default).
     fuse_elementwise : enable concat -> op -> split for same-shape unary siblings (off).
     elementwise_max_numel : per-tensor element limit for the elementwise rewrite.
+    max_fused_width : optional cap on a merged op's output width (sum of N / out-channels);
+        larger groups are cut into consecutive runs. None (default): no cap.
     carry_bias : concatenate constant bias adds into the merged op when all members have one.
+    carry_activation : also apply an identical unary activation (relu, gelu, ...) once before
+        the split when every member's result feeds exactly one such op.
     output_op : how a merged matmul/conv2d result is cut back into branches:
         ``"split"`` (default; one ``split`` + ``TupleGetItem``s), ``"strided_slice"`` (one slice
         per branch) or ``"auto"`` (slices when every branch output is read only by
@@ -472,7 +542,8 @@ class HorizontalFuse:
 
     def __init__(self, min_branches: int = 2, fuse_matmul: bool = True, fuse_conv2d: bool = True,
                  fuse_elementwise: bool = False, elementwise_max_numel: int = 16384,
-                 carry_bias: bool = True, output_op: str = "split"):
+                 carry_bias: bool = True, carry_activation: bool = True, output_op: str = "split",
+                 max_fused_width: Optional[int] = None):
         if min_branches < 2:
             raise ValueError("min_branches must be >= 2")
         if output_op not in ("split", "strided_slice", "auto"):
@@ -480,7 +551,9 @@ class HorizontalFuse:
         self.output_op = output_op
         self.opts = dict(min_branches=int(min_branches), matmul=bool(fuse_matmul),
                          conv2d=bool(fuse_conv2d), elementwise=bool(fuse_elementwise),
-                         elementwise_max_numel=int(elementwise_max_numel), carry_bias=bool(carry_bias))
+                         elementwise_max_numel=int(elementwise_max_numel), carry_bias=bool(carry_bias),
+                         carry_activation=bool(carry_activation),
+                         max_fused_width=None if max_fused_width is None else int(max_fused_width))
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         stats = {"groups": 0, "branches": 0, "matmul": 0, "conv2d": 0, "elementwise": 0}
@@ -548,13 +621,12 @@ def count_horizontal_groups(mod: tvm.IRModule) -> dict:
 
 def _source_kind(var, var2val) -> Optional[str]:
     src = var2val.get(var)
+    if _op_name(src) in _ELEMWISE_OPS and isinstance(src.args[0], relax.Var):
+        src = var2val.get(src.args[0])  # elementwise group's op, or a carried activation
+        if _op_name(src) == "relax.concat":
+            return "elementwise"
     if _op_name(src) == _ADD:
         a, b = src.args
         inner = a if isinstance(a, relax.Var) and _is_const(b) else b
         src = var2val.get(inner) if isinstance(inner, relax.Var) else None
-    name = _op_name(src)
-    kind = {_MATMUL: "matmul", _CONV2D: "conv2d"}.get(name)
-    if kind is None and name in _ELEMWISE_OPS and isinstance(src.args[0], relax.Var):
-        if _op_name(var2val.get(src.args[0])) == "relax.concat":
-            kind = "elementwise"
-    return kind
+    return {_MATMUL: "matmul", _CONV2D: "conv2d"}.get(_op_name(src))
