@@ -79,6 +79,17 @@ def access_class(region, var) -> str:
     return "strided"
 
 
+def last_dim_stride(region, var) -> int | None:
+    """The constant stride of var when it moves only the last dim of a point access, else None."""
+    ndim = len(region.region)
+    for d, rng in enumerate(region.region):
+        if not _is_one(rng.extent):
+            return None
+        if d < ndim - 1 and _uses(rng.min, var):
+            return None
+    return linear_coeff(region.region[-1].min, var)
+
+
 def bare_var_dim(region, var) -> int | None:
     """The single dim of region indexed exactly by var (and var used nowhere else), else None."""
     found = None

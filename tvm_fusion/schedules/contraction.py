@@ -36,11 +36,13 @@ from tvm.target import Target
 
 from ._util import (
     LAYOUT_REWRITE_PREPROC,
+    logger,
     access_class,
     bare_var_dim,
     divisors_upto,
     int_extent,
     is_cpu,
+    last_dim_stride,
     num_cores,
     num_vector_registers,
     safe_rule,
@@ -51,9 +53,11 @@ from ._util import (
 
 GATHER_PENALTY = 10.0  # a strided operand along the vector axis: one load per lane
 OUT_STRIDED_PENALTY = 1.0  # the tile's write-back is transposed (cheap: once per tile)
-PACK_PENALTY = 0.5  # packing a constant weight costs nothing at run time, but prefer no copy
+PACK_PENALTY = 0.5
+SHORT_STRIDE_PENALTY = 0.5  # packing a constant weight costs nothing at run time, but prefer no copy
 ODD_VECTOR_PENALTY = 3.0  # vector axis extent not a multiple of the SIMD width
 MAX_ROWS = 8
+SHORT_TILE_FMAS = 1024  # below: accumulate in the global intermediate (see apply)
 
 
 class Contraction(ScheduleRule):
@@ -97,6 +101,10 @@ class Contraction(ScheduleRule):
         if plan is None:
             return None
         v_it, vt, row_it, rt, cost = plan
+        logger.debug(
+            "Contraction %s: vector %s/%d row %s/%d cost %.2f", stmt.name_hint, v_it.var, vt,
+            None if row_it is None else row_it.var, rt, cost,
+        )
 
         # ---- inline everything that is not a direct producer of the main block -------------------
         self._inline_around(sch, main)
@@ -140,11 +148,20 @@ class Contraction(ScheduleRule):
             epilogue = consumers[0]
             if not try_primitive(sch.reverse_compute_at, epilogue, fused):
                 epilogue = None
+        # This TVM allocates every "local" buffer through TVMBackendAllocWorkspace (no stack
+        # alloca), once per tile. For long reductions that is noise and the "local" tile is the
+        # best register tile (LLVM promotes it); for short ones (depthwise 3x3, 1x1 convs with few
+        # input channels) the allocation costs more than the tile's FMAs, so the accumulator
+        # stays in the (compacted) global intermediate and LLVM keeps it in registers via LICM.
+        r_total = math.prod(it.dom for it in main_info.iters if it.kind == "R")
+        tile_fmas = rt * math.ceil(vt / lanes) * r_total
+        acc_scope = "local" if tile_fmas >= SHORT_TILE_FMAS else "global"
         if epilogue is not None:
-            sch.set_scope(main, 0, "local")
+            if acc_scope == "local":
+                sch.set_scope(main, 0, "local")
             acc_consumer = epilogue
         else:
-            wb = sch.cache_write(main, 0, "local")
+            wb = sch.cache_write(main, 0, acc_scope)
             sch.reverse_compute_at(wb, fused)
             acc_consumer = wb
         # accumulator layout [.., rows, vt]: v's output dim last, so the micro-kernel's
@@ -195,20 +212,27 @@ class Contraction(ScheduleRule):
             kinds = {}
             for r in reads:
                 c = access_class(r, v_it.var)
+                stride = 1
                 if c == "strided":
+                    stride = last_dim_stride(r, v_it.var)
                     if r.source in layout_free and bare_var_dim(r, v_it.var) is not None:
                         c = "packed"
                         pen += PACK_PENALTY
+                    elif stride is not None and 2 <= stride <= 4:
+                        # e.g. a stride-2 conv along W: LLVM loads `stride` vectors and shuffles
+                        c = "short_stride"
+                        pen += SHORT_STRIDE_PENALTY * stride
                     else:
                         pen += GATHER_PENALTY
-                kinds[id(r)] = c
+                kinds[id(r)] = (c, stride)
             if access_class(out_region, v_it.var) != "contiguous":
                 pen += OUT_STRIDED_PENALTY
             ext = v_it.dom
             vts = [m * lanes for m in (4, 3, 2, 1) if ext % (m * lanes) == 0]
             if not vts:
                 pen += ODD_VECTOR_PENALTY
-                vts = [ext] if ext <= 4 * lanes else [d for d in divisors_upto(ext, 4 * lanes) if d >= 2][-1:]
+                # one register-sized (or smaller) vector: wider odd vectors become shuffles
+                vts = [d for d in divisors_upto(ext, lanes) if d >= 2][-1:]
                 if not vts:
                     continue
             rows = [None] + [it for it in s_iters if it is not v_it]
@@ -223,11 +247,13 @@ class Contraction(ScheduleRule):
                         for r in reads:
                             varies_row = row_it is not None and access_class(r, row_it.var) != "invariant"
                             mult = rt if varies_row else 1
-                            c = kinds[id(r)]
+                            c, stride = kinds[id(r)]
                             if c == "invariant":
                                 loads += mult
                             elif c in ("contiguous", "packed"):
                                 loads += nvec * mult
+                            elif c == "short_stride":
+                                loads += 1.5 * stride * nvec * mult
                             else:
                                 loads += vt * mult
                         work = rt * vt / lanes
@@ -235,12 +261,15 @@ class Contraction(ScheduleRule):
                         # load imbalance across cores (1 tile on 2 cores: half the machine idles)
                         ntiles = total // (vt * rt)
                         cost *= math.ceil(ntiles / cores) * cores / max(ntiles, 1)
-                        key = (cost, -work)
+                        # ties: rows along the output's contiguous dim (broadcast operands then
+                        # walk memory contiguously), then the narrower vector (smaller packed panel)
+                        row_last = row_it is not None and _out_dim_of(out_region, row_it.var) == len(out_region.region) - 1
+                        key = (round(cost, 3), -work, not row_last, vt)
                         if best is None or key < best[0]:
                             best = (key, v_it, vt, row_it if rt > 1 else None, rt)
         if best is None:
             return None
-        (cost, _), v_it, vt, row_it, rt = best
+        (cost, *_), v_it, vt, row_it, rt = best
         return v_it, vt, row_it, rt, cost
 
     @staticmethod

@@ -1,0 +1,281 @@
+"""Default CPU schedules: numerics kept vs the unscheduled build, and the loops are parallel + SIMD."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, te, tirx, topi
+from tvm.s_tir import dlight as dl
+from tvm.script import relax as R
+
+from tvm_fusion import models
+from tvm_fusion.schedules import (
+    Contraction,
+    Injective,
+    ParallelFallback,
+    RowReduction,
+    apply_default_schedules,
+    default_rules,
+)
+from tvm_fusion.schedules._util import collect_loops, loop_kinds
+
+ZNVER3 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
+RNG = np.random.default_rng(0)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _rand(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype("float32")
+
+
+def _module(inputs: dict, body) -> tvm.IRModule:
+    """A Relax module main(inputs...) = body(bb, *vars); weights are bound relax.Constants."""
+    bb = relax.BlockBuilder()
+    params = [relax.Var(name, R.Tensor(shape, "float32")) for name, shape in inputs.items()]
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, *params))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _fused(mod):
+    with ZNVER3:
+        return relax.get_pipeline("zero")(mod)
+
+
+def _scheduled(mod, prepack=True):
+    with ZNVER3:
+        return apply_default_schedules(ZNVER3, prepack=prepack)(_fused(mod))
+
+
+def _run(mod, feeds):
+    vm = relax.VirtualMachine(tvm.compile(mod, target=ZNVER3), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(x) for x in feeds])
+    return out.numpy()
+
+
+def _prim_funcs(mod):
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+def _check(mod, feeds, rtol=1e-5, atol=1e-5, need_vector=True):
+    """Scheduled build == unscheduled build; every kernel scheduled, parallel (and vectorized)."""
+    expected = _run(_fused(mod), feeds)
+    sched = _scheduled(mod)
+    funcs = _prim_funcs(sched)
+    assert funcs
+    for name, func in funcs.items():
+        assert func.attrs is not None and "tirx.is_scheduled" in func.attrs, name
+        kinds = loop_kinds(func)
+        assert tirx.ForKind.PARALLEL in kinds, f"{name} has no parallel loop\n{func}"
+        if need_vector:
+            assert tirx.ForKind.VECTORIZED in kinds, f"{name} has no vectorized loop\n{func}"
+    got = _run(sched, feeds)
+    np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol)
+    return sched
+
+
+# -- dense / matmul ---------------------------------------------------------------------------
+def test_matmul_constant_weight_is_packed():
+    w = _rand(64, 96, scale=0.1)
+    mod = _module({"x": (32, 64)}, lambda bb, x: relax.op.matmul(x, relax.const(w)))
+    x = _rand(32, 64)
+    sched = _check(mod, [x])
+    np.testing.assert_allclose(_run(sched, [x]), x @ w, rtol=1e-4, atol=1e-4)
+    # the weight reaching the kernel is the packed constant [N/vt, K, vt], not the 2-D original
+    (func,) = [f for n, f in _prim_funcs(sched).items() if "matmul" in n]
+    shapes = [tuple(int(d) for d in p.shape) for p in func.params]
+    assert (64, 96) not in shapes and any(len(s) == 3 and s[1] == 64 for s in shapes), shapes
+    assert not any("preproc" in n or "layout" in n for n in _prim_funcs(sched)), list(_prim_funcs(sched))
+
+
+def test_matmul_without_prepack_has_same_numbers():
+    w = _rand(40, 24, scale=0.1)
+    mod = _module({"x": (10, 40)}, lambda bb, x: relax.op.matmul(x, relax.const(w)))
+    x = _rand(10, 40)
+    sched = _scheduled(mod, prepack=False)
+    np.testing.assert_allclose(_run(sched, [x]), x @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_batch_matmul_two_activations():
+    mod = _module({"a": (3, 20, 16), "b": (3, 16, 24)}, lambda bb, a, b: relax.op.matmul(a, b))
+    _check(mod, [_rand(3, 20, 16), _rand(3, 16, 24)])
+
+
+def test_dense_bias_gelu_epilogue_runs_inside_the_tile():
+    w, b = _rand(32, 48, scale=0.2), _rand(48)
+
+    def body(bb, x):
+        y = bb.emit(relax.op.add(relax.op.matmul(x, relax.const(w)), relax.const(b)))
+        return relax.op.nn.gelu(y)
+
+    mod = _module({"x": (1, 16, 32)}, body)
+    sched = _check(mod, [_rand(1, 16, 32)], rtol=1e-4, atol=1e-5)
+    (func,) = [f for n, f in _prim_funcs(sched).items() if "matmul" in n]
+    # the epilogue runs right after each tile, under the same parallel loop as the matmul
+    # (not as a second full pass over a full-size intermediate)
+    par = [lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.PARALLEL]
+    assert len(par) == 1
+    assert "erf" in par[0].body.script() and "matmul" in par[0].body.script()
+
+
+# -- conv2d -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "cin,cout,k,stride,groups,size",
+    [(8, 16, 3, 1, 1, 12), (16, 24, 1, 1, 1, 10), (8, 16, 3, 2, 1, 13), (16, 16, 3, 1, 16, 12), (12, 12, 3, 2, 12, 9)],
+    ids=["3x3", "1x1", "3x3s2", "depthwise", "depthwise_s2"],
+)
+def test_conv2d_nchw_bias_relu(cin, cout, k, stride, groups, size):
+    w, b = _rand(cout, cin // groups, k, k, scale=0.3), _rand(1, cout, 1, 1)
+
+    def body(bb, x):
+        y = relax.op.nn.conv2d(x, relax.const(w), strides=stride, padding=k // 2, groups=groups)
+        return relax.op.nn.relu(bb.emit(relax.op.add(bb.emit(y), relax.const(b))))
+
+    _check(_module({"x": (1, cin, size, size)}, body), [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4)
+
+
+def test_conv2d_nhwc_residual_add():
+    w = _rand(3, 3, 8, 8, scale=0.3)  # HWIO
+
+    def body(bb, x):
+        y = bb.emit(relax.op.nn.conv2d(x, relax.const(w), padding=1, data_layout="NHWC", kernel_layout="HWIO"))
+        return relax.op.add(y, x)
+
+    _check(_module({"x": (1, 6, 6, 8)}, body), [_rand(1, 6, 6, 8)], rtol=1e-4, atol=1e-4)
+
+
+def _conv_nchwc(data, kernel, stride=1, pad=1):
+    """NCHW{i}c x OIHW{i}i{o}o -> NCHW{o}c, the form the layout pass emits."""
+    n, icc, h, w, ib = (int(d) for d in data.shape)
+    occ, _, kh, kw, _, ob = (int(d) for d in kernel.shape)
+    oh, ow = (h + 2 * pad - kh) // stride + 1, (w + 2 * pad - kw) // stride + 1
+    padded = topi.nn.pad(data, [0, 0, pad, pad, 0], [0, 0, pad, pad, 0], name="data_pad")
+    ric, rkh, rkw, rib = (te.reduce_axis((0, e), name=nm) for e, nm in ((icc, "ic"), (kh, "kh"), (kw, "kw"), (ib, "ib")))
+    return te.compute(
+        (n, occ, oh, ow, ob),
+        lambda b, oc, y, x, o: te.sum(
+            padded[b, ric, y * stride + rkh, x * stride + rkw, rib] * kernel[oc, ric, rkh, rkw, rib, o],
+            axis=[ric, rkh, rkw, rib],
+        ),
+        name="conv_nchwc",
+    )
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_conv2d_nchwc_blocked_layout(stride):
+    w, b = _rand(2, 2, 3, 3, 8, 8, scale=0.2), _rand(1, 2, 1, 1, 8)
+
+    def body(bb, x):
+        y = bb.emit_te(_conv_nchwc, x, relax.const(w), stride)
+        return relax.op.nn.relu(bb.emit(relax.op.add(y, relax.const(b))))
+
+    sched = _check(_module({"x": (1, 2, 9, 9, 8)}, body), [_rand(1, 2, 9, 9, 8)], rtol=1e-4, atol=1e-4)
+    (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
+    vec = [lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.VECTORIZED]
+    assert any(int(lp.extent) == 8 for lp in vec)  # the 8-wide output-channel block is the SIMD axis
+
+
+def test_contraction_rule_recognises_nchwc_by_structure():
+    """The rule is handed a bare TE PrimFunc (no names it could match on)."""
+    data = te.placeholder((1, 1, 6, 6, 8), name="d")
+    kern = te.placeholder((2, 1, 3, 3, 8, 8), name="k")
+    func = te.create_prim_func([data, kern, _conv_nchwc(data, kern)])
+    sch = Contraction().apply(func, ZNVER3, False)
+    assert sch is not None
+    kinds = loop_kinds(sch.mod["main"])
+    assert {tirx.ForKind.PARALLEL, tirx.ForKind.VECTORIZED, tirx.ForKind.UNROLLED} <= kinds
+
+
+# -- reductions, pooling, elementwise ---------------------------------------------------------
+def test_softmax():
+    _check(_module({"x": (2, 4, 16, 24)}, lambda bb, x: relax.op.nn.softmax(x, axis=-1)), [_rand(2, 4, 16, 24)])
+
+
+def test_layer_norm():
+    g, b = _rand(48), _rand(48)
+    mod = _module({"x": (1, 10, 48)}, lambda bb, x: relax.op.nn.layer_norm(x, relax.const(g), relax.const(b), axes=[-1]))
+    _check(mod, [_rand(1, 10, 48)], rtol=1e-4, atol=1e-4)
+
+
+def test_pools_and_mean():
+    def body(bb, x):
+        y = bb.emit(relax.op.nn.max_pool2d(x, pool_size=3, strides=2, padding=1))
+        return relax.op.mean(y, axis=[2, 3], keepdims=True)
+
+    _check(_module({"x": (1, 16, 12, 12)}, body), [_rand(1, 16, 12, 12)], need_vector=False)
+
+
+def test_elementwise_chain():
+    def body(bb, x, y):
+        return relax.op.nn.relu(relax.op.multiply(relax.op.add(x, y), relax.const(np.float32(0.5))))
+
+    _check(_module({"x": (2, 3, 10, 16), "y": (2, 3, 10, 16)}, body), [_rand(2, 3, 10, 16), _rand(2, 3, 10, 16)])
+
+
+def test_transpose_reshape():
+    def body(bb, x):
+        return relax.op.reshape(relax.op.permute_dims(x, [0, 2, 1, 3]), (1, 12, 32))
+
+    _check(_module({"x": (1, 4, 12, 8)}, body), [_rand(1, 4, 12, 8)])
+
+
+# -- end to end + rule selection --------------------------------------------------------------
+def test_transformer_block_matches_onnxruntime():
+    import onnxruntime as ort
+
+    model = models.transformer_block(seq=8, hidden=32, heads=2)
+    feeds = models.random_inputs(model)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    from tvm.relax.frontend.onnx import from_onnx
+
+    sched = _scheduled(from_onnx(model, keep_params_in_input=False))
+    for name, func in _prim_funcs(sched).items():
+        assert "tirx.is_scheduled" in func.attrs and tirx.ForKind.PARALLEL in loop_kinds(func), name
+    np.testing.assert_allclose(_run(sched, list(feeds.values())), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_rules_decline_what_they_do_not_handle():
+    x = te.placeholder((4, 32), name="x")
+    softmax = te.create_prim_func([x, topi.nn.softmax(x)])
+    relu = te.create_prim_func([x, topi.nn.relu(x)])
+    assert Contraction().apply(softmax, ZNVER3, False) is None  # two reductions: not a contraction
+    assert RowReduction().apply(softmax, ZNVER3, False) is not None
+    assert Contraction().apply(relu, ZNVER3, False) is None
+    assert RowReduction().apply(relu, ZNVER3, False) is None
+    assert Injective().apply(softmax, ZNVER3, False) is None
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
+    assert Contraction().apply(relu, cuda, False) is None
+    assert ParallelFallback().apply(relu, cuda, False) is None
+
+
+def test_fallback_parallelizes_a_reduction_without_splitting_it():
+    x = te.placeholder((64, 100), name="x")
+    k = te.reduce_axis((0, 100), name="k")
+    amax = te.compute((64,), lambda i: te.max(x[i, k] * x[i, k], axis=k), name="sqmax")
+    func = te.create_prim_func([x, amax])
+    sch = ParallelFallback().apply(func, ZNVER3, False)
+    par = [lp for lp in collect_loops(sch.mod["main"]) if lp.kind == tirx.ForKind.PARALLEL]
+    assert par and all(int(lp.extent) <= 64 for lp in par)
+    lib = tvm.tirx.build(sch.mod, target=ZNVER3)
+    xv = _rand(64, 100)
+    out = tvm.runtime.tensor(np.zeros(64, "float32"))
+    lib["main"](tvm.runtime.tensor(xv), out)
+    np.testing.assert_allclose(out.numpy(), (xv * xv).max(axis=1), rtol=1e-6)
+
+
+def test_default_rules_per_target():
+    cuda = default_rules({"kind": "cuda", "arch": "sm_80"})
+    assert [type(r) for r in cuda] == [dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction, dl.gpu.GeneralReduction, dl.gpu.Fallback]
+    cpu = default_rules(ZNVER3)
+    assert isinstance(cpu[0], Contraction) and isinstance(cpu[-1], ParallelFallback)
+
+
+def test_long_reduction_accumulates_in_a_local_register_tile():
+    w = _rand(512, 32, scale=0.05)
+    mod = _module({"x": (8, 512)}, lambda bb, x: relax.op.nn.relu(relax.op.matmul(x, relax.const(w))))
+    sched = _check(mod, [_rand(8, 512)], rtol=1e-4, atol=1e-4)
+    (func,) = [f for n, f in _prim_funcs(sched).items() if "matmul" in n]
+    assert 'scope="local"' in func.script()
