@@ -1,0 +1,61 @@
+#!/usr/bin/env python
+"""Tune a model's fused kernels with Meta-Schedule and store the records under tuning_logs/.
+
+    python scripts/tune.py --model resnet_block_net --target llvm --trials 64
+    python scripts/tune.py --model path/to/model.onnx --target cuda --rpc 10.0.0.2:9190:a100 --trials 512
+
+Re-running with the same budget measures nothing new; a larger budget continues where the last
+run stopped; Ctrl-C stops after the current batch (twice: at once), keeping what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tvm_fusion import tuning
+from tvm_fusion.errors import TvmFusionError
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="example model name (tvm_fusion.models) or an .onnx path")
+    ap.add_argument("--target", default="llvm", help="llvm, cuda or a JSON target dict (default: llvm)")
+    ap.add_argument("--trials", type=int, required=True, help="total measured trials, split over the tasks")
+    ap.add_argument("--max-trials-per-task", type=int, default=None)
+    ap.add_argument("--log-root", default="tuning_logs")
+    ap.add_argument("--rpc", default=None, metavar="HOST:PORT:KEY", help="measure on a TVM RPC tracker's devices")
+    ap.add_argument("--per-iter", type=int, default=16, help="candidates measured per batch (default 16)")
+    ap.add_argument("--workers", type=int, default=1, help="builder worker processes (default 1)")
+    ap.add_argument("--measure", action="store_true", help="time the tuned build against the untuned one")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        result, speed = tuning.tune_model(
+            args.model,
+            args.target,
+            trials=args.trials,
+            max_trials_per_task=args.max_trials_per_task,
+            log_root=args.log_root,
+            rpc=args.rpc,
+            num_trials_per_iter=args.per_iter,
+            max_workers=args.workers,
+            progress=not args.no_progress,
+            measure=args.measure,
+        )
+    except TvmFusionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(result.summary())
+    if speed is not None:
+        print(
+            f"untuned {speed['untuned_ms']:.4f} ms, tuned {speed['tuned_ms']:.4f} ms: "
+            f"speedup x{speed['speedup']:.2f} ({speed['summary']})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,374 @@
+"""Meta-Schedule tuning: records are stored atomically, resumed, validated and applied by hash.
+
+Fast tests use *fabricated* records (design-space schedules with made-up run times), which go
+through the same save/load/apply code as measured ones without measuring anything; the tests that
+really measure tune a one- or two-matmul model with a handful of trials.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+from tvm import relax
+
+from tvm_fusion import frontend, models, targets, tuning
+from tvm_fusion.errors import TargetError, TuningRecordError, TvmFusionError
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _tiny_model(widths=(32, 32), batch: int = 8):
+    """Linear+ReLU layers; distinct widths give distinct PrimFuncs (identical ones are one task)."""
+    g = models.GraphBuilder(f"tiny{len(widths) - 1}", 0)
+    y = g.input("x", (batch, widths[0]))
+    for din, dout in zip(widths, widths[1:]):
+        y = g.relu(g.linear(y, din, dout))
+    return g.finish([y])
+
+
+def _fused(model, target):
+    imported = frontend.import_onnx(model)
+    with target:
+        mod = relax.get_pipeline("zero")(imported.mod)
+    return imported, mod
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return targets.parse_target("llvm")
+
+
+@pytest.fixture(scope="module")
+def ms_ready():
+    """Tuning needs cloudpickle and a tvm-ffi that can serialize IR; fail with the reason if not."""
+    try:
+        tuning.check_environment()
+    except TvmFusionError as err:
+        pytest.fail(str(err))
+    tuning.load_tensor_intrinsics()
+
+
+def _fabricate(mod, target, log_root, name, model_hash, run_us=10.0):
+    """Store one record per design-space schedule of each task, as `tune` would, without measuring."""
+    from tvm.s_tir import meta_schedule as ms
+
+    rset = tuning.RecordSet(
+        path=tuning.record_dir(log_root, name, target), manifest=tuning.new_manifest(name, model_hash, target)
+    )
+    for i, task in enumerate(tuning.extract_tasks(mod, target)):
+        ctx = ms.TuneContext(
+            mod=task.dispatched[0],
+            target=tuning.tuning_target(target),
+            space_generator="post-order-apply",
+            search_strategy="evolutionary",
+            task_name=task.task_name,
+            num_threads=1,
+            rand_state=i,
+        ).clone()
+        workload = ms.database.Workload(task.dispatched[0])
+        rset.workloads.append(workload)
+        args = ms.arg_info.ArgInfo.from_prim_func(task.dispatched[0]["main"])
+        for sch in ctx.generate_design_space():
+            rset.records.append(ms.database.TuningRecord(sch.trace, workload, [run_us * 1e-6], target, args))
+    rset.save()
+    return rset
+
+
+# -- no TVM tuning machinery needed -------------------------------------------------------------
+
+
+def test_split_budget():
+    assert tuning.split_budget(10, 3, None) == [4, 3, 3]
+    assert tuning.split_budget(10, 3, 2) == [2, 2, 2]
+    assert tuning.split_budget(2, 3, None) == [1, 1, 0]
+    assert tuning.split_budget(5, 0, None) == []
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
+    path = tmp_path / "manifest.json"
+    tuning.atomic_write_text(path, "old\n")
+
+    def boom(_fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(OSError, match="disk full"):
+        tuning.atomic_write_text(path, "new content that never lands\n")
+    assert path.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]  # no temp file left
+
+
+def test_cuda_tuning_without_gpu_fails_fast(cpu, tmp_path):
+    if tvm.cuda(0).exist:
+        pytest.skip("this machine has a GPU")
+    cuda = targets.parse_target("cuda")
+    _, mod = _fused(_tiny_model(), cpu)
+    with pytest.raises(TargetError, match=r"no cuda device.*rpc="):
+        tuning.tune(mod, cuda, model_name="m", model_hash="h", trials=4, log_root=tmp_path, progress=False)
+    assert not any(tmp_path.iterdir())  # failed before touching the log folder
+
+
+@pytest.mark.parametrize("spec", ["localhost", "host:port:key", ":9190:key", "host:9190:"])
+def test_bad_rpc_spec_is_a_target_error(spec):
+    with pytest.raises(TargetError, match="host:port:key"):
+        tuning.parse_rpc(spec)
+
+
+def test_rpc_spec_parses():
+    cfg = tuning.parse_rpc("10.0.0.2:9190:a100")
+    assert (cfg.tracker_host, cfg.tracker_port, cfg.tracker_key) == ("10.0.0.2", 9190, "a100")
+
+
+def test_cuda_target_gets_meta_schedule_attributes():
+    target = tuning.tuning_target(targets.parse_target("cuda"))
+    assert int(target.attrs["max_threads_per_block"]) == 1024
+    assert target.host is not None and target.host.kind.name == "llvm"
+    assert tuning.tuning_target(targets.parse_target("llvm")).kind.name == "llvm"
+
+
+def test_load_records_missing_folder(cpu, tmp_path):
+    db, report = tuning.load_records(tmp_path, "nothing", "abc", cpu)
+    assert db is None and report.status == "missing"
+    assert "no tuning records" in str(report)
+
+
+# -- fabricated records: save / load / validate / apply ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fabricated(ms_ready, cpu, tmp_path_factory):
+    model = _tiny_model()
+    imported, mod = _fused(model, cpu)
+    root = tmp_path_factory.mktemp("fab")
+    _fabricate(mod, cpu, root, imported.name, imported.model_hash)
+    return root, imported, mod, model
+
+
+def _copy(fabricated, tmp_path):
+    root, imported, mod, model = fabricated
+    dst = tmp_path / "logs"
+    shutil.copytree(root, dst)
+    return dst, imported, tuning.record_dir(dst, imported.name, targets.parse_target("llvm"))
+
+
+def test_fabricated_records_apply_and_match_untuned(fabricated, cpu):
+    root, imported, mod, model = fabricated
+    db, report = tuning.load_records(root, imported.name, imported.model_hash, cpu)
+    assert report.ok and db is not None, str(report)
+    assert report.num_workloads == 1 and report.num_records >= 1
+    manifest = json.loads((report.path / "manifest.json").read_text())
+    assert manifest["model_hash"] == imported.model_hash
+    assert manifest["target"] == json.loads(str(cpu)) and manifest["tvm_version"] == tvm.__version__
+
+    with cpu:
+        applied = tuning.apply_records(db)(mod)
+    counts = tuning.count_scheduled(mod, applied)
+    assert counts.tuned == ["fused_matmul_add_relu"] and counts.default == []
+    assert applied["fused_matmul_add_relu"].attrs["tirx.is_scheduled"]
+    assert not tvm_ffi.structural_equal(applied["fused_matmul_add_relu"], mod["fused_matmul_add_relu"])
+    assert "1 functions tuned, 0 default" in counts.summary()
+
+    inputs = models.random_inputs(model)
+    ex_tuned, _ = tuning.build(mod, cpu, db)
+    ex_plain, plain_counts = tuning.build(mod, cpu, None)
+    assert plain_counts.tuned == []
+    np.testing.assert_allclose(
+        tuning.run_executable(ex_tuned, inputs), tuning.run_executable(ex_plain, inputs), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_records_for_another_model_are_reported_and_ignored(fabricated, cpu):
+    root, imported, mod, _ = fabricated
+    db, report = tuning.load_records(root, imported.name, "0123456789abcdef", cpu)
+    assert db is None and report.status == "mismatch"
+    assert f"made for model hash {imported.model_hash}, this model is 0123456789abcdef: ignored" in str(report)
+    with pytest.raises(TuningRecordError, match="made for model hash"):
+        tuning.load_records(root, imported.name, "0123456789abcdef", cpu, strict=True)
+
+
+@pytest.mark.parametrize(
+    "field,value,expect",
+    [
+        ("tvm_version", "0.20.0", "made with TVM 0.20.0"),
+        ("target", {"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2}, "made for target"),
+    ],
+)
+def test_records_for_another_tvm_or_target_are_ignored(fabricated, cpu, tmp_path, field, value, expect):
+    root, imported, path = _copy(fabricated, tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest[field] = value
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    db, report = tuning.load_records(root, imported.name, imported.model_hash, cpu)
+    assert db is None and report.status == "mismatch"
+    assert expect in str(report) and str(path) in str(report) and "ignored" in str(report)
+
+
+def test_records_for_other_target_key_are_mentioned(fabricated, tmp_path):
+    root, imported, _ = _copy(fabricated, tmp_path)
+    other = targets.parse_target({"kind": "llvm", "mcpu": "znver3", "num-cores": 16})
+    db, report = tuning.load_records(root, imported.name, imported.model_hash, other)
+    assert db is None and report.status == "missing"
+    assert "records exist for other targets: llvm-znver3-2c" in str(report)
+
+
+@pytest.mark.parametrize("damage", ["cut_mid_line", "drop_last_line", "garbage_manifest", "no_manifest"])
+def test_corrupt_records_are_reported_and_build_uses_defaults(fabricated, cpu, tmp_path, damage):
+    root, imported, path = _copy(fabricated, tmp_path)
+    rec = path / tuning.RECORD_FILE
+    text = rec.read_text()
+    if damage == "cut_mid_line":
+        rec.write_text(text[: len(text) // 2])
+        bad_file = rec
+    elif damage == "drop_last_line":
+        rec.write_text("".join(text.splitlines(keepends=True)[:-1]))
+        bad_file = rec
+    elif damage == "garbage_manifest":
+        (path / "manifest.json").write_text('{"model_hash": ')
+        bad_file = path / "manifest.json"
+    else:
+        (path / "manifest.json").unlink()
+        bad_file = path / "manifest.json"
+    db, report = tuning.load_records(root, imported.name, imported.model_hash, cpu)
+    assert db is None and report.status == "corrupt"
+    assert str(bad_file) in str(report) and "default schedules" in str(report)
+    with pytest.raises(TuningRecordError, match=str(bad_file).replace(".", r"\.")):
+        tuning.load_records(root, imported.name, imported.model_hash, cpu, strict=True)
+    _, mod, model = fabricated[1], fabricated[2], fabricated[3]
+    ex, counts = tuning.build(mod, cpu, db)  # the build goes on with default schedules
+    assert counts.tuned == []
+    assert tuning.run_executable(ex, models.random_inputs(model)).shape == (8, 32)
+
+
+def test_cuda_build_with_records_needs_no_gpu(ms_ready, cpu, tmp_path):
+    cuda = targets.parse_target("cuda")
+    imported, mod = _fused(_tiny_model(), cuda)
+    _fabricate(mod, cuda, tmp_path, imported.name, imported.model_hash)
+    db, report = tuning.load_records(tmp_path, imported.name, imported.model_hash, cuda)
+    assert report.ok and report.path.name == "cuda-sm_80", str(report)
+    ex, counts = tuning.build(mod, cuda, db)
+    assert counts.tuned == ["fused_matmul_add_relu"]
+    source = "".join(m.inspect_source() for m in _all_modules(ex.mod) if m.kind == "cuda")
+    assert "__global__" in source and "fused_matmul_add_relu" in source
+
+
+def _all_modules(mod):
+    yield mod
+    for sub in mod.imports:
+        yield from _all_modules(sub)
+
+
+# -- real tuning (measures on this CPU) --------------------------------------------------------
+
+
+def _files(path: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(path.iterdir())}
+
+
+def test_tune_then_retune_measures_nothing_new(ms_ready, cpu, tmp_path):
+    model = _tiny_model()
+    imported, mod = _fused(model, cpu)
+    kw = dict(model_name=imported.name, model_hash=imported.model_hash, log_root=tmp_path, progress=False)
+    res = tuning.tune(mod, cpu, trials=4, num_trials_per_iter=4, population_size=32, **kw)
+    assert [t.trials for t in res.tasks] == [4] and res.new_trials == 4
+    assert sorted(p.name for p in res.record_dir.iterdir()) == sorted(
+        [tuning.WORKLOAD_FILE, tuning.RECORD_FILE, tuning.MANIFEST_FILE]
+    )
+    before = _files(res.record_dir)
+    manifest = json.loads(before[tuning.MANIFEST_FILE])
+    (entry,) = manifest["tasks"].values()
+    assert entry["name"] == "fused_matmul_add_relu" and entry["trials"] == 4 and entry["budget"] == 4
+    assert len(before[tuning.RECORD_FILE].splitlines()) == 4
+
+    again = tuning.tune(mod, cpu, trials=4, **kw)
+    assert again.new_trials == 0 and again.tasks[0].skipped
+    after = _files(res.record_dir)
+    assert after[tuning.RECORD_FILE] == before[tuning.RECORD_FILE]
+    assert after[tuning.WORKLOAD_FILE] == before[tuning.WORKLOAD_FILE]
+
+    db, report = tuning.load_records(tmp_path, imported.name, imported.model_hash, cpu)
+    assert report.ok, str(report)
+    inputs = models.random_inputs(model)
+    ex_tuned, counts = tuning.build(mod, cpu, db)
+    ex_plain, _ = tuning.build(mod, cpu, None)
+    assert counts.tuned == ["fused_matmul_add_relu"]
+    np.testing.assert_allclose(
+        tuning.run_executable(ex_tuned, inputs), tuning.run_executable(ex_plain, inputs), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_interrupted_tuning_resumes_without_redoing_trials(ms_ready, cpu, tmp_path):
+    model = _tiny_model((16, 32, 16))
+    imported, mod = _fused(model, cpu)
+    kw = dict(
+        model_name=imported.name,
+        model_hash=imported.model_hash,
+        log_root=tmp_path,
+        progress=False,
+        trials=8,
+        num_trials_per_iter=2,
+        population_size=32,
+    )
+    ntasks = len(tuning.extract_tasks(mod, cpu))
+    assert ntasks >= 2
+
+    def stop(_summary):
+        raise KeyboardInterrupt
+
+    # 1. Ctrl-C in the middle of the first task, right after its first batch is on disk.
+    with pytest.raises(KeyboardInterrupt):
+        tuning.tune(mod, cpu, on_batch=stop, **kw)
+    path = tuning.record_dir(tmp_path, imported.name, cpu)
+    assert len((path / tuning.RECORD_FILE).read_text().splitlines()) == 2
+    db, report = tuning.load_records(tmp_path, imported.name, imported.model_hash, cpu)
+    assert report.ok and report.num_records == 2  # what is on disk is a valid record set
+
+    # 2. Resume; Ctrl-C after the first task completes.
+    with pytest.raises(KeyboardInterrupt):
+        tuning.tune(mod, cpu, on_task_done=stop, **kw)
+    budgets = tuning.split_budget(8, ntasks, None)
+    manifest = json.loads((path / tuning.MANIFEST_FILE).read_text())
+    first = [t for t in manifest["tasks"].values() if t["trials"] > 0]
+    assert len(first) == 1 and first[0]["trials"] == budgets[0] and first[0]["budget"] == budgets[0]
+
+    # 3. Resume again: the first task is skipped, only the others measure.
+    res = tuning.tune(mod, cpu, **kw)
+    assert res.tasks[0].skipped and res.tasks[0].new_trials == 0
+    assert [t.new_trials for t in res.tasks[1:]] == budgets[1:]
+    assert res.total_trials == 8
+
+    # 4. Once more: nothing to do.
+    assert tuning.tune(mod, cpu, **kw).new_trials == 0
+    db, report = tuning.load_records(tmp_path, imported.name, imported.model_hash, cpu)
+    assert report.num_records == 8
+    inputs = models.random_inputs(model)
+    ex_tuned, counts = tuning.build(mod, cpu, db)
+    ex_plain, _ = tuning.build(mod, cpu, None)
+    assert len(counts.tuned) == ntasks
+    np.testing.assert_allclose(
+        tuning.run_executable(ex_tuned, inputs), tuning.run_executable(ex_plain, inputs), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_incompatible_records_are_moved_aside_when_tuning(fabricated, cpu, tmp_path):
+    root, imported, path = _copy(fabricated, tmp_path)
+    mod = fabricated[2]
+    messages = []
+    # trials=0: only the bookkeeping runs, so this needs no measuring
+    res = tuning.tune(
+        mod, cpu, model_name=imported.name, model_hash="feedfacefeedface", trials=0, log_root=root,
+        progress=False, log=messages.append,
+    )
+    assert res.new_trials == 0
+    assert any("made for model hash" in m and "moved to" in m for m in messages)
+    aside = [p for p in path.parent.iterdir() if p.name.startswith(path.name + ".old-")]
+    assert len(aside) == 1 and (aside[0] / tuning.RECORD_FILE).exists()
+    assert json.loads((path / tuning.MANIFEST_FILE).read_text())["model_hash"] == "feedfacefeedface"
