@@ -141,15 +141,11 @@ def build(model, target="llvm", policy=None, *, name: str | None = None, tuning_
 
 
 def _find_records(tuning_logs, imported: ImportedModel, target) -> tuple[object | None, str]:
-    from .targets import target_key
-
-    where = Path(tuning_logs) / imported.name / target_key(target)
-    if not where.is_dir():
-        return None, f"none under {where}/ (untuned: default schedules)"
+    """Records for exactly this model hash, target and TVM version; anything else is reported, not applied."""
     from . import tuning
 
     database, report = tuning.load_records(tuning_logs, imported.name, imported.model_hash, target)
-    return database, report
+    return database, str(report)
 
 
 def _scheduled_count(mod: tvm.IRModule) -> int:
