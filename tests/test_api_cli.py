@@ -168,3 +168,11 @@ def test_module_entry_point_exit_code(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {tmp_path / 'x.onnx'}: no such file"
     assert "Traceback" not in proc.stderr
+
+
+def test_cuda_without_nvcc_is_a_clear_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvcc anywhere on PATH
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    code, err = _cli_error(["build", "mlp_bn", "--target", "cuda", "-o", str(tmp_path / "x.so")], capsys)
+    assert code == 2 and "nvcc is not on PATH" in err[0]
+    assert list(tmp_path.iterdir()) == []  # nothing written half-way

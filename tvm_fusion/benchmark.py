@@ -141,7 +141,8 @@ def model_roofline_ms(model, roofline: Roofline, target) -> tuple[float, float, 
 
 
 SUITES = {
-    "full": [("resnet_block_net", models.resnet_block_net), ("resnet18", models.resnet18), ("bert_layer", models.bert_layer)],
+    "full": [("resnet_block_net", models.resnet_block_net), ("mobilenet_block", models.mobilenet_block),
+             ("resnet18", models.resnet18), ("bert_layer", models.bert_layer)],
     "quick": [("resnet_block_net", models.resnet_block_net), ("transformer_block", models.transformer_block)],
 }
 
