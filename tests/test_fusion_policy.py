@@ -174,3 +174,15 @@ def test_roofline_presets_differ_per_target():
     cpu, gpu = Roofline.for_target(parse_target("llvm")), Roofline.for_target(parse_target("cuda"))
     assert gpu.bandwidth_gbps > 10 * cpu.bandwidth_gbps
     assert gpu.launch_overhead_us > cpu.launch_overhead_us
+
+
+def test_consumer_with_two_fusable_producers_joins_one_chain():
+    g = models.GraphBuilder("two_producers")
+    a, b = g.input("a", (1, 64)), g.input("b", (1, 64))
+    model = g.finish([g.add(g.relu(a), g.op("Sigmoid", [b]))])
+    mod = imported(model)
+    (report,) = plan_module(mod, None, "llvm")
+    assert sorted(len(gr.nodes) for gr in report.groups) == [1, 2]
+    assert sum("larger benefit" in d.reason for d in report.decisions) == 1
+    feeds = models.random_inputs(model)
+    assert max_abs_err(run_relax(LOWER(ApplyFusionPolicy()(mod)), feeds), ort_run(model, feeds)) < 1e-6

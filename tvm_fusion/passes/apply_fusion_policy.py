@@ -110,28 +110,27 @@ class FusionPlanner:
             node = _as_node(binding, self.policy)
             if node is None:
                 continue
-            best: tuple[float, Group] | None = None
+            candidates: list[tuple[Decision, Group]] = []
             for arg in _tensor_var_args(node.call):
                 group = group_of.get(arg)
                 if group is None or not group.last.var.same_as(arg):
-                    continue
+                    continue  # groups are chains: only a group's last op can be extended
                 decision = self._judge(group, node, arg, uses)
                 decisions.append(decision)
-                if decision.accepted and (best is None or decision.benefit_us > best[0]):
-                    best = (decision.benefit_us, group)
-            if best is None:
+                if decision.accepted:
+                    candidates.append((decision, group))
+            if candidates:
+                chosen, group = max(candidates, key=lambda c: c[0].benefit_us)
+                for decision, _ in candidates:
+                    if decision is not chosen:
+                        decision.accepted = False
+                        decision.reason = "another producer of this consumer gave a larger benefit"
+                group.nodes.append(node)
+            else:
                 group = Group([node])
                 groups.append(group)
-            else:
-                group = best[1]
-                group.nodes.append(node)
             group.has_anchor |= self.policy.is_anchor(node.op_class)
             group_of[node.var] = group
-        # A group was only extended at its end, so a candidate that lost to a better one is noted.
-        for decision in decisions:
-            if decision.accepted and not _edge_used(decision, groups):
-                decision.accepted = False
-                decision.reason = "another producer of this consumer gave a larger benefit"
 
     def _judge(self, group: Group, consumer: Node, arg: relax.Var, uses) -> Decision:
         producer = group.last
@@ -172,15 +171,6 @@ class FusionPlanner:
                    + roof.launch_overhead_us)
         detail = f"saves {saved_bytes / 1024:.0f} KiB, recomputes {extra_flops / 1e6:.2f} MFLOP"
         return benefit, detail
-
-
-def _edge_used(decision: Decision, groups: list[Group]) -> bool:
-    for group in groups:
-        names = [f"{n.var.name}={n.op_name}" for n in group.nodes]
-        for a, b in zip(names, names[1:]):
-            if a == decision.producer and b == decision.consumer:
-                return True
-    return False
 
 
 # -- IR helpers -------------------------------------------------------------------------------
