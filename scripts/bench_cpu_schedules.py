@@ -7,10 +7,13 @@
 
 All three run in one process and are timed in interleaved rounds (a block of ORT runs, a block of
 ours, a block of stock, three times), so a noisy shared machine slows them alike; medians are
-reported, with ratios to ORT. Both TVM builds
-share the same Relax preprocessing (DecomposeOpsForInference, CanonicalizeBindings, the "zero"
-pipeline: legalize + FuseOps + FuseTIR); "stock" compiles that unscheduled, "ours" adds
-``apply_default_schedules`` (which also packs constant weights at compile time).
+reported, with ratios to ORT. "stock" is plain TVM: DecomposeOpsForInference,
+CanonicalizeBindings and the "zero" pipeline (legalize + FuseOps + FuseTIR), compiled unscheduled.
+"ours" is the real project pipeline, ``tvm_fusion.build(model, target, tuning_logs=None)``: BN
+folding, activation canonicalisation (+ fast GELU), horizontal fusion, layout rewrite, policy
+fusion, then ``apply_default_schedules`` (which also packs constant weights at compile time).
+``--zero`` builds "ours" the old way instead (the zero pipeline + ``apply_default_schedules``),
+which isolates the schedules from the fusion policy.
 The per-kernel table: each kernel of the "ours" build timed on its own with its captured arguments
 (this TVM's VirtualMachine has no profile=True; see _kernel_profile).
 """
@@ -37,6 +40,7 @@ def _parse():
     ap.add_argument("--top", type=int, default=5, help="kernels to list per model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mcpu", default=None, help="LLVM CPU (default: this machine's)")
+    ap.add_argument("--zero", action="store_true", help="ours = zero pipeline + default schedules (no project fusion)")
     return ap.parse_args()
 
 
@@ -79,6 +83,18 @@ def _build(mod, target, schedule: bool):
         with target:
             mod = apply_default_schedules(target)(mod)
     rt_mod = tvm.compile(mod, target=target).jit()
+    return rt_mod, relax.VirtualMachine(rt_mod, tvm.cpu())
+
+
+def _build_ours(model, target):
+    """The project pipeline, untuned: what ``tvm_fusion.build`` gives a user."""
+    import tvm
+    from tvm import relax
+
+    import tvm_fusion
+
+    res = tvm_fusion.build(model, target, tuning_logs=None)
+    rt_mod = res.executable.jit()
     return rt_mod, relax.VirtualMachine(rt_mod, tvm.cpu())
 
 
@@ -133,7 +149,8 @@ def main():
     repeat = opts.repeat or (5 if opts.quick else 10)
     configs = _configs(opts.quick)
     names = opts.models or list(configs)
-    print(f"target {target}  threads {opts.threads}  repeat {repeat}  {'quick' if opts.quick else 'full'} shapes")
+    print(f"target {target}  threads {opts.threads}  repeat {repeat}  {'quick' if opts.quick else 'full'} shapes  "
+          f"ours: {'zero pipeline + default schedules' if opts.zero else 'tvm_fusion.build (project pipeline, untuned)'}")
     rows, profiles = [], {}
     for name in names:
         model = configs[name]()
@@ -146,9 +163,15 @@ def main():
         ref = sess.run(None, feeds)[0]
 
         t0 = time.perf_counter()
-        mod = _relax_mod(model, target)
-        ours_rt, ours = _build(mod, target, schedule=True)
+        mod = None
+        if opts.zero:
+            mod = _relax_mod(model, target)
+            ours_rt, ours = _build(mod, target, schedule=True)
+        else:
+            ours_rt, ours = _build_ours(model, target)
         t_build = time.perf_counter() - t0
+        if not opts.no_stock and mod is None:
+            mod = _relax_mod(model, target)
         stock = None if opts.no_stock else _build(mod, target, schedule=False)[1]
         args = [tvm.runtime.tensor(v) for v in feeds.values()]
 

@@ -5,6 +5,10 @@
 compile time: it marks constant PrimFunc arguments layout-free, schedules, splits the packing
 blocks into their own PrimFuncs and folds them into new constants (weights must be bound
 ``relax.Constant``s, as ``from_onnx(keep_params_in_input=False)`` gives).
+
+Importing this package also registers a float32 ``relax.nn.gelu`` legalization that uses the
+vectorizable ``topi.fast_erf`` instead of scalar ``erff`` (see ``fast_gelu.py``; switch it off
+with ``set_fast_gelu(False)``, ``with fast_gelu(False):`` or ``TVM_FUSION_FAST_GELU=0``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from tvm import relax
 from tvm.s_tir import dlight as dl
 
 from .cpu import Contraction, Injective, ParallelFallback, RowReduction, cpu_rules
+from .fast_gelu import fast_gelu, fast_gelu_enabled, set_fast_gelu  # registers the GELU legalization
 
 
 def _target(target):
@@ -64,4 +69,7 @@ __all__ = [
     "apply_default_schedules",
     "cpu_rules",
     "default_rules",
+    "fast_gelu",
+    "fast_gelu_enabled",
+    "set_fast_gelu",
 ]

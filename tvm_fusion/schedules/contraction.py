@@ -22,7 +22,12 @@ Schedule (classic CPU GEMM micro-kernel, chosen by a small cost model over the a
   into a new constant at compile time;
 * injective producers (pad, transpose) stay separate root stages, scheduled parallel+vectorized
   (inlining a pad would put a branch in the micro-kernel; inlining a transpose would make the
-  operand strided again).
+  operand strided again);
+* reduction prologues (the policy's ``layer_norm -> matmul``, or a user's ``softmax -> matmul``):
+  when the only other reduction blocks are row reductions that feed the contraction's inputs,
+  the materialized input and its reductions become one root stage, parallel over rows (every
+  block of a row computed under the row loop, sums vectorized by an rfactor over SIMD lanes), and
+  the GEMM gets the micro-kernel as usual. Two contractions in one PrimFunc (attention) decline.
 """
 
 from __future__ import annotations
@@ -79,9 +84,14 @@ class Contraction(ScheduleRule):
         if not infos:
             return None
         reductions = [b for b in infos if not b.is_injective()]
-        if len(reductions) != 1:
-            return None
-        main_info = reductions[0]
+        if len(reductions) == 1:
+            main_info = reductions[0]
+        else:
+            # layer_norm / softmax fused in front of a GEMM: the row reductions become their
+            # own parallel stage (see _schedule_row_prologue), the GEMM gets the micro-kernel
+            main_info = _prologue_contraction(sch, reductions)
+            if main_info is None:
+                return None
         kinds = main_info.dom_kind()
         if set(kinds) - {"S", "R"} or "R" not in kinds or "S" not in kinds:
             return None
@@ -183,9 +193,16 @@ class Contraction(ScheduleRule):
         try_primitive(sch.vectorize, init_loops[-1])
         self._schedule_tile_epilogue(sch, acc_consumer, target)
 
+        handled = {sch.get(b).name_hint for b in (main, init, acc_consumer)}
+        # ---- reduction prologue (layer_norm / softmax rows feeding the GEMM) -----------------
+        if len(reductions) > 1:
+            for prod in sch.get_producers(main):
+                if sch.get(prod).annotations.get(LAYOUT_REWRITE_PREPROC) is not None:
+                    continue
+                handled |= _schedule_row_prologue(sch, prod, target)
+
         # ---- remaining root stages (pad, transposes, unfusable leftovers) ---------------------
         root = sch.get_sblock("root") if _has_root(sch) else None
-        handled = {sch.get(b).name_hint for b in (main, init, acc_consumer)}
         blocks = sch.get_child_blocks(root) if root is not None else []
         for blk in blocks:
             name = sch.get(blk).name_hint
@@ -193,6 +210,8 @@ class Contraction(ScheduleRule):
                 continue
             if all(it.iter_type == tirx.IterVar.DataPar for it in sch.get(blk).iter_vars):
                 schedule_injective_block(sch, blk, target)
+            else:  # a prologue reduction the row stage could not take: at least parallel rows
+                _parallel_rows(sch, blk, target)
         return sch
 
     # ------------------------------------------------------------------------------------------
@@ -346,6 +365,172 @@ class Contraction(ScheduleRule):
             try_primitive(sch.vectorize, inner)
         for lp, _ in nontrivial[:-1]:
             try_primitive(sch.unroll, lp)
+
+
+def _reads_varying_with_reduction(stmt) -> list:
+    """Read buffers (other than the output) whose access moves with a reduction iter."""
+    out_buf = stmt.writes[0].source if stmt.writes else None
+    r_vars = [it.var for it in stmt.iter_vars if it.iter_type == tirx.IterVar.CommReduce]
+    bufs = []
+    for region in stmt.reads:
+        if out_buf is not None and region.source.same_as(out_buf):
+            continue
+        if any(access_class(region, v) != "invariant" for v in r_vars):
+            if not any(region.source.same_as(b) for b in bufs):
+                bufs.append(region.source)
+    return bufs
+
+
+def _ancestors(sch, block) -> list:
+    """Every block block depends on (transitively), nearest first, without duplicates."""
+    seen, out, stack = set(), [], list(sch.get_producers(block))
+    while stack:
+        blk = stack.pop()
+        name = sch.get(blk).name_hint
+        if name in seen:
+            continue
+        seen.add(name)
+        out.append(blk)
+        stack.extend(sch.get_producers(blk))
+    return out
+
+
+def _prologue_contraction(sch, reductions):
+    """The one contraction among several reduction blocks, if every other reduction is a row
+    reduction (one operand moving along its reduction axes: sum / max / variance) that only feeds
+    the contraction's inputs (layer_norm -> GEMM, softmax -> GEMM). Otherwise None.
+
+    Two contractions (attention's QK^T -> softmax -> PV) are declined: the row stage would run
+    the first GEMM scalar."""
+    contractions = [b for b in reductions if len(_reads_varying_with_reduction(sch.get(b.block_rv))) >= 2]
+    if len(contractions) != 1:
+        return None
+    main_info = contractions[0]
+    up = {sch.get(b).name_hint for b in _ancestors(sch, main_info.block_rv)}
+    for info in reductions:
+        if info is main_info:
+            continue
+        stmt = sch.get(info.block_rv)
+        if stmt.name_hint not in up or len(_reads_varying_with_reduction(stmt)) != 1:
+            return None
+        kinds = info.dom_kind()
+        if not kinds.startswith("S") or "S" in kinds.lstrip("S"):
+            return None  # rows (leading spatial) then reduction axes only
+        if any(not isinstance(d, int) for d in info.dom()):
+            return None
+    return main_info
+
+
+def _leading_spatial(stmt) -> int:
+    n = 0
+    for it in stmt.iter_vars:
+        if it.iter_type != tirx.IterVar.DataPar:
+            break
+        n += 1
+    return n
+
+
+def _schedule_row_prologue(sch, anchor, target) -> set:
+    """Schedule a materialized GEMM input and the row reductions it needs (layer_norm: sum,
+    mean, variance, normalize) as one root stage: parallel over rows, every block of a row
+    computed under that loop (the row stays in L1), injective blocks vectorized, reductions
+    vectorized by an rfactor over SIMD lanes. Returns the names of the blocks it scheduled
+    (empty when anchor has no reduction upstream: plain pads / transposes are left to the
+    injective stage code)."""
+    anchor_stmt = sch.get(anchor)
+    if not all(it.iter_type == tirx.IterVar.DataPar for it in anchor_stmt.iter_vars):
+        return set()
+    group = _ancestors(sch, anchor)
+    if not any(not all(it.iter_type == tirx.IterVar.DataPar for it in sch.get(b).iter_vars) for b in group):
+        return set()
+    stmts = [sch.get(b) for b in group]
+    n_lead = min([_leading_spatial(st) for st in stmts] + [len(anchor_stmt.iter_vars) - 1])
+    if n_lead < 1:
+        return set()
+    lanes = vector_lanes(target, str(anchor_stmt.writes[0].source.dtype))
+    # root order: producers before consumers (compute_at below goes consumers first)
+    order = {sch.get(b).name_hint: i for i, b in enumerate(sch.get_child_blocks(sch.get_sblock("root")))}
+    names = sorted((st.name_hint for st in stmts), key=lambda n: order.get(n, -1))
+    # vectorized row reductions: ki (SIMD lanes) becomes a spatial axis of an rf block that
+    # accumulates lanes partial sums; the write-back block adds the lanes up. rfactor needs the
+    # block alone under its loops, so it runs while the blocks are still at root.
+    scheduled = []
+    for name in names:
+        blk = sch.get_sblock(name)
+        st = sch.get(blk)
+        if all(it.iter_type == tirx.IterVar.DataPar for it in st.iter_vars):
+            scheduled.append(name)
+            continue
+        loops = sch.get_loops(blk)
+        ext = int_extent(sch, loops[-1])
+        if ext is not None and ext % lanes == 0 and ext >= 2 * lanes:
+            _, ki = sch.split(loops[-1], factors=[None, lanes])
+            try:
+                rf = sch.rfactor(ki, factor_axis=len(st.writes[0].region))
+                scheduled += [sch.get(rf).name_hint, name]
+                continue
+            except Exception as err:  # pylint: disable=broad-except
+                logger.debug("rfactor of %s failed: %s", name, err)
+        scheduled.append(name)
+    loops = sch.get_loops(anchor)
+    rows = sch.fuse(*loops[:n_lead]) if n_lead > 1 else loops[0]
+    sch.parallel(rows)
+    for name in reversed(scheduled):
+        sch.compute_at(sch.get_sblock(name), rows, preserve_unit_loops=True)
+    for blk in [sch.get_sblock(n) for n in scheduled] + [anchor]:
+        _vectorize_row_inner(sch, blk, lanes)
+    # everything under the row loop now (rf init blocks included) is taken care of
+    return {sch.get(b).name_hint for b in sch.get_child_blocks(rows)} | {anchor_stmt.name_hint}
+
+
+def _vectorize_row_inner(sch, blk, lanes):
+    """Vectorize the innermost loop of a block under the row loop, if it binds a spatial iter."""
+    st = sch.get(blk)
+    loops = sch.get_loops(blk)[1:]
+    if not loops:
+        return
+    inner = loops[-1]
+    ext = int_extent(sch, inner)
+    if ext is None or ext < 2:
+        return
+    if _binds_reduction(sch, blk, inner):
+        # an rf block (compute_at put its lanes axis first): reduction loops out, lanes in
+        spatial = [lp for lp in loops if not _binds_reduction(sch, blk, lp) and int_extent(sch, lp) == lanes]
+        if spatial and try_primitive(sch.reorder, *[lp for lp in loops if lp is not spatial[-1]], spatial[-1]):
+            try_primitive(sch.vectorize, sch.get_loops(blk)[-1])
+            r_loops = [lp for lp in sch.get_loops(blk)[1:] if _binds_reduction(sch, blk, lp)]
+            if r_loops and st.init is not None:
+                init = sch.decompose_reduction(blk, r_loops[0])
+                try_primitive(sch.vectorize, sch.get_loops(init)[-1])
+            return
+        # reduction innermost (no rfactor): unroll by lanes so LLVM pipelines the scalar chain
+        if ext > lanes and ext % lanes == 0:
+            _, inner = sch.split(inner, factors=[None, lanes])
+            sch.annotate(inner, ann_key="pragma_auto_unroll_max_step", ann_val=lanes)
+            sch.annotate(inner, ann_key="pragma_unroll_explicit", ann_val=1)
+        return
+    if ext > lanes and ext % lanes == 0:
+        _, inner = sch.split(inner, factors=[None, lanes])
+    elif ext > lanes:
+        return
+    try_primitive(sch.vectorize, inner)
+
+
+def _binds_reduction(sch, blk, loop) -> bool:
+    from .fallback import _get_sblockrealize
+
+    var = sch.get(loop).loop_var
+    realize = _get_sblockrealize(sch, blk)
+    for it, val in zip(sch.get(blk).iter_vars, realize.iter_values):
+        if it.iter_type != tirx.IterVar.DataPar and any(v.same_as(var) for v in tirx.analysis.undefined_vars(val)):
+            return True
+    return False
+
+
+def _parallel_rows(sch, blk, target):
+    from .fallback import _schedule_nest
+
+    try_primitive(_schedule_nest, sch, blk, target)
 
 
 def _make_pack_map(outer_order, blocked_dims, row, vec, ndim):
