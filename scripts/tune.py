@@ -4,7 +4,12 @@
     python scripts/tune.py --model resnet_block_net --target llvm --trials 64
     python scripts/tune.py --model path/to/model.onnx --target cuda --rpc 10.0.0.2:9190:a100 --trials 512
 
-Re-running with the same budget measures nothing new; a larger budget continues where the last
+    python scripts/tune.py --model mlp_bn --trials 8 --measure   # then time tuned vs untuned builds
+    python scripts/tune.py --model resnet_block_net --measure-only  # only the timing (tvm_fusion.build)
+
+Kernels are fused with the build's own pipeline (same policy: pass --policy if the build gets
+one), each task's best schedule is timed against its default schedule, and only faster ones
+are applied by the build. Re-running with the same budget measures nothing new; a larger budget continues where the last
 run stopped; Ctrl-C stops after the current batch (twice: at once), keeping what was measured.
 """
 
@@ -21,20 +26,27 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="example model name (tvm_fusion.models) or an .onnx path")
     ap.add_argument("--target", default="llvm", help="llvm, cuda or a JSON target dict (default: llvm)")
-    ap.add_argument("--trials", type=int, required=True, help="total measured trials, split over the tasks")
+    ap.add_argument("--trials", type=int, default=64, help="total measured trials, split over the tasks (default 64)")
     ap.add_argument("--max-trials-per-task", type=int, default=None)
     ap.add_argument("--log-root", default="tuning_logs")
     ap.add_argument("--rpc", default=None, metavar="HOST:PORT:KEY", help="measure on a TVM RPC tracker's devices")
     ap.add_argument("--per-iter", type=int, default=16, help="candidates measured per batch (default 16)")
     ap.add_argument("--workers", type=int, default=1, help="builder worker processes (default 1)")
-    ap.add_argument("--measure", action="store_true", help="time the tuned build against the untuned one")
+    ap.add_argument("--policy", default=None, help="fusion policy file (must be the one the build uses)")
+    ap.add_argument("--measure", action="store_true",
+                    help="then build the model with and without the records (tvm_fusion.build) and time both")
+    ap.add_argument("--measure-only", action="store_true", help="only time tuned vs untuned builds (no tuning)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.measure_only:
+        print(tuning.measure_speedup(args.model, args.target, tuning_logs=args.log_root, policy=args.policy))
+        return 0
     try:
-        result, speed = tuning.tune_model(
+        result = tuning.tune_model(
             args.model,
             args.target,
             trials=args.trials,
+            policy=args.policy,
             max_trials_per_task=args.max_trials_per_task,
             log_root=args.log_root,
             rpc=args.rpc,
@@ -48,12 +60,7 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    print(result.summary())
-    if speed is not None:
-        print(
-            f"untuned {speed['untuned_ms']:.4f} ms, tuned {speed['tuned_ms']:.4f} ms: "
-            f"speedup x{speed['speedup']:.2f} ({speed['summary']})"
-        )
+    print(result)
     return 0
 
 

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from tvm import relax
 
 from tvm_fusion import frontend, models, targets, tuning
 from tvm_fusion.errors import TargetError, TuningRecordError, TvmFusionError
@@ -35,10 +34,25 @@ def _tiny_model(widths=(32, 32), batch: int = 8):
 
 
 def _fused(model, target):
+    """The module the real build schedules (project pipeline, schedule=False)."""
     imported = frontend.import_onnx(model)
-    with target:
-        mod = relax.get_pipeline("zero")(imported.mod)
-    return imported, mod
+    return imported, tuning.fuse_for_build(imported.mod, target)
+
+
+def _ort(model, inputs):
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, inputs)[0]
+
+
+def _set_task_fields(path: Path, **fields):
+    """Edit every task entry of a record folder's manifest (fabricated timings)."""
+    mpath = path / tuning.MANIFEST_FILE
+    manifest = json.loads(mpath.read_text())
+    for entry in manifest["tasks"].values():
+        entry.update(fields)
+    mpath.write_text(json.dumps(manifest))
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +89,7 @@ def _fabricate(mod, target, log_root, name, model_hash, run_us=10.0):
         ).clone()
         workload = ms.database.Workload(task.dispatched[0])
         rset.workloads.append(workload)
+        rset.manifest["tasks"][tuning._shash(task.dispatched[0])] = {"name": task.task_name, "budget": 0, "trials": 0}
         args = ms.arg_info.ArgInfo.from_prim_func(task.dispatched[0]["main"])
         for sch in ctx.generate_design_space():
             rset.records.append(ms.database.TuningRecord(sch.trace, workload, [run_us * 1e-6], target, args))
@@ -185,6 +200,70 @@ def test_fabricated_records_apply_and_match_untuned(fabricated, cpu):
     )
 
 
+@pytest.mark.parametrize(
+    "fields,applied",
+    [
+        ({"default_us": 50.0}, False),  # records say 1e6 us: slower than the default
+        ({"default_us": 5e6}, True),  # faster than a (fabricated) very slow default
+        # the side-by-side re-timing (tuned_us) decides when it covers all trials on disk ...
+        ({"default_us": 5e6, "tuned_us": 6e6, "verified_trials": "ALL"}, False),
+        # ... and is ignored when trials were added after it (then the records' latency counts)
+        ({"default_us": 5e6, "tuned_us": 6e6, "verified_trials": -1}, True),
+    ],
+)
+def test_records_not_faster_than_default_are_not_applied(ms_ready, cpu, tmp_path, fields, applied):
+    import tvm_fusion
+
+    model = _tiny_model()
+    imported, mod = _fused(model, cpu)
+    rset = _fabricate(mod, cpu, tmp_path, imported.name, imported.model_hash, run_us=1e6)
+    fields = dict(fields)
+    if fields.get("verified_trials") == "ALL":
+        fields["verified_trials"] = len(rset.records)
+    _set_task_fields(rset.path, **fields)
+
+    db, report = tuning.load_records(tmp_path, imported.name, imported.model_hash, cpu)
+    assert report.ok and report.num_applied == int(applied), str(report)
+    built = tvm_fusion.build(model, "llvm", tuning_logs=tmp_path)
+    assert built.tuned_kernels == int(applied)
+    if applied:
+        assert db is not None and not report.skipped
+    else:
+        assert db is None
+        assert report.skipped == [report.skipped[0]] and report.skipped[0].startswith("fused_matmul_add_relu: tuned")
+        assert "1 of 1 tuned functions not faster than the default schedule: not applied" in str(report)
+        assert "not applied" in str(built.records_note)
+    # without the check everything applies
+    db_all, report_all = tuning.load_records(tmp_path, imported.name, imported.model_hash, cpu, only_faster=False)
+    assert db_all is not None and report_all.num_applied == 1
+    inputs = models.random_inputs(model)
+    np.testing.assert_allclose(tuning.run_executable(built.executable, inputs), _ort(model, inputs), rtol=1e-4, atol=1e-4)
+
+
+def test_default_baseline_is_the_kernel_the_build_runs(cpu):
+    """The baseline timed for each task has the build's pre-packed weight layout (compile-time
+    constant), not the original one with a packing copy inside the kernel."""
+    import tvm_fusion
+    from tvm.s_tir import meta_schedule as ms
+
+    model = _tiny_model((16, 32, 16))
+    imported, mod = _fused(model, cpu)
+    baselines = tuning.default_schedule_modules(mod, cpu)
+    assert len(baselines) == 2
+    timed = {
+        tuple(tuple(int(d) for d in a.shape) for a in ms.arg_info.ArgInfo.from_entry_func(m, remove_preproc=True))
+        for m in baselines.values()
+    }
+    lowered = tvm_fusion.build(model, "llvm", tuning_logs=None).lowered
+    built = {
+        tuple(tuple(int(d) for d in p.shape) for p in f.params)
+        for _, f in lowered.functions_items()
+        if isinstance(f, tvm.tirx.PrimFunc)
+    }
+    assert timed == built
+    assert ((8, 16), (2, 16, 16), (32,), (8, 32)) in timed  # the 16->32 layer's weight is packed
+
+
 def test_records_for_another_model_are_reported_and_ignored(fabricated, cpu):
     root, imported, mod, _ = fabricated
     db, report = tuning.load_records(root, imported.name, "0123456789abcdef", cpu)
@@ -272,36 +351,54 @@ def _files(path: Path) -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted(path.iterdir())}
 
 
-def test_tune_then_retune_measures_nothing_new(ms_ready, cpu, tmp_path):
-    model = _tiny_model()
-    imported, mod = _fused(model, cpu)
-    kw = dict(model_name=imported.name, model_hash=imported.model_hash, log_root=tmp_path, progress=False)
-    res = tuning.tune(mod, cpu, trials=4, num_trials_per_iter=4, population_size=32, **kw)
-    assert [t.trials for t in res.tasks] == [4] and res.new_trials == 4
-    assert sorted(p.name for p in res.record_dir.iterdir()) == sorted(
-        [tuning.WORKLOAD_FILE, tuning.RECORD_FILE, tuning.MANIFEST_FILE]
-    )
-    before = _files(res.record_dir)
-    manifest = json.loads(before[tuning.MANIFEST_FILE])
-    (entry,) = manifest["tasks"].values()
-    assert entry["name"] == "fused_matmul_add_relu" and entry["trials"] == 4 and entry["budget"] == 4
-    assert len(before[tuning.RECORD_FILE].splitlines()) == 4
+def test_tune_model_records_are_used_by_the_real_build(ms_ready, cpu, tmp_path):
+    """tune_model fuses with the build's own passes, so tvm_fusion.build finds every record; each
+    task's best schedule is timed against its default schedule and only winners are applied."""
+    import tvm_fusion
 
-    again = tuning.tune(mod, cpu, trials=4, **kw)
-    assert again.new_trials == 0 and again.tasks[0].skipped
+    model = models.mlp_bn()
+    imported = frontend.import_onnx(model, name="mlp_bn")
+    res = tuning.tune_model(
+        imported, cpu, trials=4, log_root=tmp_path, policy=None, options={"layout": True},
+        num_trials_per_iter=2, population_size=32, progress=False,
+    )
+    assert [t.trials for t in res.tasks] == [2, 2] and res.new_trials == 4
+    text = str(res)
+    assert all(t.name in text for t in res.tasks) and "side by side" in text
+    manifest = json.loads((res.record_dir / tuning.MANIFEST_FILE).read_text())
+    for entry in manifest["tasks"].values():
+        assert entry["default_us"] > 0 and entry["tuned_us"] > 0 and entry["verified_trials"] == 2
+    winners = sum(1 for e in manifest["tasks"].values() if e["tuned_us"] < e["default_us"] * (1 - tuning.MIN_GAIN))
+    assert sum(1 for t in res.tasks if t.applied) == winners
+
+    inputs = models.random_inputs(model)
+    reference = _ort(model, inputs)
+    untuned = tvm_fusion.build(model, "llvm", name="mlp_bn", tuning_logs=None)
+    built = tvm_fusion.build(model, "llvm", name="mlp_bn", tuning_logs=tmp_path)
+    assert built.tuned_kernels == winners  # every record matched; losers were left out
+    if winners < 2:
+        assert "not faster than the default schedule: not applied" in str(built.records_note)
+
+    # Pretend the default schedules were slow: now every record applies (all hashes match).
+    forced = tmp_path / "forced"
+    shutil.copytree(tmp_path / "mlp_bn", forced / "mlp_bn")
+    _set_task_fields(forced / "mlp_bn" / res.record_dir.name, default_us=1e9)
+    all_tuned = tvm_fusion.build(model, "llvm", name="mlp_bn", tuning_logs=forced)
+    assert all_tuned.tuned_kernels == 2 and all_tuned.tuned_kernels >= 1
+    out_plain = tuning.run_executable(untuned.executable, inputs)
+    for b in (built, all_tuned):
+        out = tuning.run_executable(b.executable, inputs)
+        np.testing.assert_allclose(out, out_plain, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out, reference, rtol=1e-4, atol=1e-4)
+
+    # Same budget again: nothing is measured, nothing re-timed, the record files stay as they were.
+    before = _files(res.record_dir)
+    again = tuning.tune_model(imported, cpu, trials=4, log_root=tmp_path, options={"layout": True}, progress=False)
+    assert again.new_trials == 0 and all(t.skipped for t in again.tasks)
     after = _files(res.record_dir)
     assert after[tuning.RECORD_FILE] == before[tuning.RECORD_FILE]
     assert after[tuning.WORKLOAD_FILE] == before[tuning.WORKLOAD_FILE]
-
-    db, report = tuning.load_records(tmp_path, imported.name, imported.model_hash, cpu)
-    assert report.ok, str(report)
-    inputs = models.random_inputs(model)
-    ex_tuned, counts = tuning.build(mod, cpu, db)
-    ex_plain, _ = tuning.build(mod, cpu, None)
-    assert counts.tuned == ["fused_matmul_add_relu"]
-    np.testing.assert_allclose(
-        tuning.run_executable(ex_tuned, inputs), tuning.run_executable(ex_plain, inputs), rtol=1e-5, atol=1e-5
-    )
+    assert [t.default_us for t in again.tasks] == [t.default_us for t in res.tasks]
 
 
 @pytest.mark.slow
@@ -347,7 +444,7 @@ def test_interrupted_tuning_resumes_without_redoing_trials(ms_ready, cpu, tmp_pa
 
     # 4. Once more: nothing to do.
     assert tuning.tune(mod, cpu, **kw).new_trials == 0
-    db, report = tuning.load_records(tmp_path, imported.name, imported.model_hash, cpu)
+    db, report = tuning.load_records(tmp_path, imported.name, imported.model_hash, cpu, only_faster=False)
     assert report.num_records == 8
     inputs = models.random_inputs(model)
     ex_tuned, counts = tuning.build(mod, cpu, db)

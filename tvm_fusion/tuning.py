@@ -18,6 +18,11 @@ Why the care:
   (indices are stable), so any mix of old and new files on disk is consistent.
 * A re-run resumes: per-task trial counts come from the records themselves, and a task already
   tuned to its budget is skipped.
+* A tuned build must never be slower than the untuned one: after the search each task's best
+  record is timed side by side with the task's *default* schedule (as the build runs it, weights
+  pre-packed), and :func:`load_records` leaves out the records that did not win.
+* :func:`tune_model` fuses with the project pipeline (``pipeline_passes(..., schedule=False)``),
+  i.e. the very passes ``tvm_fusion.build`` runs before scheduling, so the hashes match.
 
 Two problems of the TVM 0.27 wheel are worked around here: importing
 ``tvm.s_tir.tensor_intrin`` (done by every ``TuneContext`` and by the default Meta-Schedule build
@@ -56,6 +61,16 @@ RECORD_FILE = "database_tuning_record.json"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
 FAILED_RUN_SECS = 1e9  # Meta-Schedule records failed builds/runs with run_secs = [1e10]
+# A tuned schedule replaces the default one only if it is at least this much faster (side by side
+# timings on a busy machine differ by a few percent between identical kernels).
+MIN_GAIN = 0.03
+
+
+def beats_default(tuned_us: float | None, default_us: float | None) -> bool:
+    """Whether a tuned kernel is faster than the default schedule by more than timing noise."""
+    if tuned_us is None or default_us is None:
+        return False
+    return float(tuned_us) < float(default_us) * (1.0 - MIN_GAIN)
 
 # tvm-ffi versions known to serialize TVM 0.27 objects correctly / to segfault in ToJSONGraph.
 _FFI_GOOD = {"0.1.14.post0"}
@@ -259,15 +274,21 @@ class RecordSet:
             best[key] = min(best.get(key, float("inf")), secs)
         return best
 
-    def to_database(self):
-        """A fresh in-memory Meta-Schedule database holding these records."""
+    def to_database(self, exclude: Iterable[str] = ()):
+        """A fresh in-memory Meta-Schedule database holding these records (minus the workloads
+        whose hash is in ``exclude``)."""
         ms = _ms()
+        exclude = set(exclude)
         db = ms.database.MemoryDatabase()
         by_hash = {}
         for wl in self.workloads:
-            by_hash[_shash(wl.mod)] = db.commit_workload(wl.mod)
+            key = _shash(wl.mod)
+            if key not in exclude:
+                by_hash[key] = db.commit_workload(wl.mod)
         for rec in self.records:
-            wl = by_hash[_shash(rec.workload.mod)]
+            wl = by_hash.get(_shash(rec.workload.mod))
+            if wl is None:
+                continue
             db.commit_tuning_record(
                 ms.database.TuningRecord(rec.trace, wl, rec.run_secs, rec.target, rec.args_info)
             )
@@ -393,6 +414,8 @@ class RecordReport:
     messages: list[str]
     num_records: int = 0
     num_workloads: int = 0
+    num_applied: int = 0  # workloads whose records go into the database
+    skipped: list[str] = dataclasses.field(default_factory=list)  # "name: why", not applied
 
     @property
     def ok(self) -> bool:
@@ -409,12 +432,16 @@ def load_records(
     target,
     *,
     strict: bool = False,
+    only_faster: bool = True,
 ):
     """Find the records for (model, target, this TVM): returns ``(database or None, RecordReport)``.
 
     Records for another model hash, target or TVM version, and corrupt or truncated files, are
     reported and ignored (the build then uses default schedules); ``strict=True`` raises
-    :class:`TuningRecordError` for those instead.
+    :class:`TuningRecordError` for those instead. With ``only_faster`` (default) functions whose
+    tuned schedule was not faster than the default schedule are left out of the database (see
+    :func:`slower_than_default`), so a tuned build is never slower than the untuned one; the
+    database is ``None`` when nothing is left.
     """
     target = parse_target(target)
     path = record_dir(log_root, model_name, target)
@@ -437,16 +464,68 @@ def load_records(
         if strict:
             raise TuningRecordError(msg)
         return None, RecordReport(path, "mismatch", [msg])
+    messages = [f"{path}: {len(rset.records)} tuning records for {len(rset.workloads)} functions"]
+    skipped, unchecked = ({}, []) if not only_faster else slower_than_default(rset)
+    if skipped:
+        detail = "; ".join(skipped.values())
+        messages.append(
+            f"{len(skipped)} of {len(rset.workloads)} tuned functions not faster than the default schedule: "
+            f"not applied ({detail})"
+        )
+    if unchecked:
+        messages.append(
+            f"{len(unchecked)} tuned functions have no default-schedule timing (tuned by an older "
+            f"version): applied unchecked ({', '.join(sorted(unchecked))})"
+        )
+    applied = len(rset.workloads) - len(skipped)
     report = RecordReport(
         path,
         "ok",
-        [f"{path}: {len(rset.records)} tuning records for {len(rset.workloads)} functions"],
+        messages,
         num_records=len(rset.records),
         num_workloads=len(rset.workloads),
+        num_applied=applied,
+        skipped=sorted(skipped.values()),
     )
+    if applied == 0:
+        return None, report
     if _uses_tensorize(path):
         load_tensor_intrinsics()
-    return rset.to_database(), report
+    return rset.to_database(exclude=skipped), report
+
+
+def slower_than_default(rset: RecordSet) -> tuple[dict[str, str], list[str]]:
+    """Which workloads must keep the default schedule: ``({hash: reason}, [unchecked names])``.
+
+    A tuned schedule is applied only if it measured faster (by more than ``MIN_GAIN``) than the
+    default schedule of the same function, both timed side by side by the same runner at the end of tuning (``tuned_us`` and
+    ``default_us`` in the manifest). If trials were added after that check (an interrupted run),
+    the best record's own latency stands in for ``tuned_us``. Workloads whose every trial failed
+    are never applied (Meta-Schedule would apply a failed one).
+    """
+    best = rset.best_by_workload()
+    trials = rset.trials_by_workload()
+    tasks = rset.manifest.get("tasks", {})
+    skipped: dict[str, str] = {}
+    unchecked: list[str] = []
+    for wl in rset.workloads:
+        key = _shash(wl.mod)
+        entry = tasks.get(key, {})
+        name = entry.get("name", key)
+        if key not in best:
+            if trials.get(key, 0):
+                skipped[key] = f"{name}: every trial failed"
+            continue  # no records at all: nothing to apply
+        default_us = entry.get("default_us")
+        if default_us is None:
+            unchecked.append(name)
+            continue
+        tuned_us = entry.get("tuned_us")
+        if tuned_us is None or entry.get("verified_trials") != trials.get(key, 0):
+            tuned_us = best[key] * 1e6
+        if not beats_default(tuned_us, default_us):
+            skipped[key] = f"{name}: tuned {float(tuned_us):.2f} us vs default {float(default_us):.2f} us"
+    return skipped, unchecked
 
 
 def _uses_tensorize(path: Path) -> bool:
@@ -580,6 +659,128 @@ def build(mod: tvm.IRModule, target, database=None):
 
 
 # --------------------------------------------------------------------------------------------
+# The default schedule as a baseline for each task
+# --------------------------------------------------------------------------------------------
+
+
+def _func_key(func) -> int:
+    """Hash of a PrimFunc ignoring the attributes task extraction / layout marking add."""
+    import tvm_ffi
+
+    for attr in ("global_symbol", "layout_free_buffers"):
+        if func.attrs is not None and attr in func.attrs:
+            func = func.without_attr(attr)
+    return int(tvm_ffi.structural_hash(func))
+
+
+def default_schedule_modules(mod: tvm.IRModule, target, tasks=None) -> dict[str, tvm.IRModule]:
+    """Per task (workload hash): its PrimFunc under the default schedule, as the build runs it.
+
+    On CPU the build (``schedules.apply_default_schedules``) packs constant weights at compile
+    time: it marks PrimFunc arguments bound to constants ``layout_free_buffers``, the Contraction
+    rule packs them in a block annotated as layout-rewrite preproc, and Relax folds that block
+    into a new constant. Here the same marks are attached (``AttachAttrLayoutFreeBuffers`` on the
+    whole module, matched to each task by structure), the same rules schedule the function, and
+    the builder drops the preproc block (``RemoveWeightLayoutRewriteBlock``, as it does for tuned
+    candidates), so the timed kernel reads pre-packed weights like the built one does.
+    """
+    from tvm.s_tir import dlight as dl  # noqa: PLC0415
+
+    from .schedules import default_rules  # noqa: PLC0415
+
+    target = parse_target(target)
+    tasks = extract_tasks(mod, target) if tasks is None else tasks
+    layout_free: dict[int, Any] = {}
+    if not is_gpu(target):
+        attached = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
+        for _, func in attached.functions_items():
+            if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None:
+                marks = func.attrs.get("layout_free_buffers")
+                if marks is not None and len(marks):
+                    layout_free.setdefault(_func_key(func), marks)
+    rule = dl.ApplyDefaultSchedule(*default_rules(target))
+    out = {}
+    for task in tasks:
+        wl_mod = task.dispatched[0]
+        func = wl_mod["main"]
+        marks = layout_free.get(_func_key(func))
+        if marks is not None:
+            func = func.with_attr("layout_free_buffers", marks)
+        with target:
+            out[_shash(wl_mod)] = rule(tvm.IRModule({"main": func}))
+    return out
+
+
+def measure_modules(builder, runner, target, items: list[tuple[Any, tvm.IRModule]], rounds: int = 3) -> dict:
+    """Build each ``(key, scheduled module)`` once and time it ``rounds`` times, all keys in turn
+    (side by side), with the tuning builder/runner: ``{key: median seconds or None}``."""
+    import shutil  # noqa: PLC0415
+    import statistics  # noqa: PLC0415
+
+    ms = _ms()
+    target = parse_target(target)
+    args = [ms.arg_info.ArgInfo.from_entry_func(m, remove_preproc=True) for _, m in items]
+    built = builder.build([ms.builder.BuilderInput(m, target) for _, m in items])
+    ok = [i for i, b in enumerate(built) if b.error_msg is None and b.artifact_path]
+    device_type = {"llvm": "cpu", "c": "cpu"}.get(target.kind.name, target.kind.name)
+    times: dict = {key: [] for key, _ in items}
+    try:
+        for _ in range(rounds):
+            runs = [ms.runner.RunnerInput(built[i].artifact_path, device_type, args[i]) for i in ok]
+            for i, future in zip(ok, runner.run(runs)):
+                res = future.result()
+                if res.error_msg is None and res.run_secs:
+                    secs = [float(x) for x in res.run_secs]
+                    times[items[i][0]].append(sum(secs) / len(secs))
+    finally:
+        for i in ok:
+            shutil.rmtree(os.path.dirname(built[i].artifact_path), ignore_errors=True)
+    return {key: (statistics.median(v) if v else None) for key, v in times.items()}
+
+
+def _best_record(rset: RecordSet, key: str):
+    recs = [(s, r) for r in rset.records if _shash(r.workload.mod) == key for s in [_mean_secs(r)] if s is not None]
+    return min(recs, key=lambda x: x[0])[1] if recs else None
+
+
+def verify_against_default(rset: RecordSet, mod, target, tasks, summaries, builder, runner, rounds: int = 3, say=None) -> None:
+    """Time each task's default schedule and its best tuned record side by side; store
+    ``default_us``, ``tuned_us`` and ``verified_trials`` in the manifest (read by
+    :func:`slower_than_default` when the build loads the records)."""
+    target = parse_target(target)
+    defaults = default_schedule_modules(mod, target, tasks)
+    items = []
+    todo = []
+    for summary in summaries:
+        entry = rset.manifest["tasks"][summary.workload_hash]
+        if entry.get("verified_trials") == summary.trials and entry.get("default_us") is not None:
+            summary.default_us, summary.tuned_us = entry["default_us"], entry.get("tuned_us")
+            continue
+        best = _best_record(rset, summary.workload_hash)
+        items.append((("default", summary.workload_hash), defaults[summary.workload_hash]))
+        if best is not None:
+            items.append((("tuned", summary.workload_hash), best.as_measure_candidate().sch.mod))
+        todo.append(summary)
+    if not todo:
+        return
+    if say is not None:
+        say(f"timing {len(todo)} default schedules against the best tuned ones ({rounds} rounds)")
+    times = measure_modules(builder, runner, tuning_target(target), items, rounds)
+    for summary in todo:
+        entry = rset.manifest["tasks"][summary.workload_hash]
+        d = times.get(("default", summary.workload_hash))
+        t = times.get(("tuned", summary.workload_hash))
+        summary.default_us = None if d is None else round(d * 1e6, 4)
+        summary.tuned_us = None if t is None else round(t * 1e6, 4)
+        if summary.default_us is None:
+            if say is not None:
+                say(f"  {summary.name}: could not time the default schedule; records applied unchecked")
+            continue
+        entry.update(default_us=summary.default_us, tuned_us=summary.tuned_us, verified_trials=summary.trials)
+    rset.save()
+
+
+# --------------------------------------------------------------------------------------------
 # Tuning
 # --------------------------------------------------------------------------------------------
 
@@ -593,10 +794,19 @@ class TaskSummary:
     trials: int  # measured trials on disk for this task, all runs together
     best_us: float | None
     skipped: bool = False  # already at budget when this run started
+    default_us: float | None = None  # default schedule, timed side by side with tuned_us
+    tuned_us: float | None = None  # best record re-timed next to the default
 
     @property
     def new_trials(self) -> int:
         return self.trials - self.trials_before
+
+    @property
+    def applied(self) -> bool | None:
+        """Whether the build will use the tuned schedule (None: not compared with the default)."""
+        if self.default_us is None:
+            return None if self.best_us is not None else False
+        return beats_default(self.tuned_us if self.tuned_us is not None else self.best_us, self.default_us)
 
 
 @dataclasses.dataclass
@@ -604,8 +814,13 @@ class TuneResult:
     record_dir: Path
     tasks: list[TaskSummary]
     elapsed_s: float
-    database: Any = None  # ms MemoryDatabase with all records (for apply_records)
+    database: Any = None  # ms MemoryDatabase with the records the build will apply
     messages: list[str] = dataclasses.field(default_factory=list)
+    speedup: Any = None  # SpeedupReport, when tune_model(measure=True)
+
+    def __str__(self) -> str:
+        text = self.summary()
+        return text if self.speedup is None else f"{text}\n{self.speedup}"
 
     @property
     def new_trials(self) -> int:
@@ -621,10 +836,16 @@ class TuneResult:
         for t in self.tasks:
             best = f"{t.best_us:.2f} us" if t.best_us is not None else "n/a"
             state = "skipped (at budget)" if t.skipped else f"+{t.new_trials}"
-            lines.append(f"  {t.name}: {t.trials}/{t.budget} trials ({state}), best {best}")
+            line = f"  {t.name}: {t.trials}/{t.budget} trials ({state}), best {best}"
+            if t.default_us is not None:
+                tuned = "n/a" if t.tuned_us is None else f"{t.tuned_us:.2f} us"
+                verdict = "tuned schedule used" if t.applied else "default schedule kept"
+                line += f"; side by side: tuned {tuned} vs default {t.default_us:.2f} us -> {verdict}"
+            lines.append(line)
+        used = sum(1 for t in self.tasks if t.applied)
         lines.append(
             f"{self.new_trials} new trials ({self.total_trials} in all) in {self.elapsed_s:.1f} s; "
-            f"records in {self.record_dir}"
+            f"{used}/{len(self.tasks)} functions will use tuned schedules; records in {self.record_dir}"
         )
         return "\n".join(lines)
 
@@ -729,6 +950,8 @@ def tune(
     seed: int = 0,
     min_repeat_ms: int = 50,
     population_size: int | None = None,
+    check_default: bool = True,
+    verify_rounds: int = 3,
     on_task_done: Callable[[TaskSummary], None] | None = None,
     on_batch: Callable[[TaskSummary], None] | None = None,
     log: Callable[[str], None] | None = None,
@@ -743,6 +966,10 @@ def tune(
 
     Search: evolutionary with the XGBoost cost model, ``num_trials_per_iter`` candidates measured
     per batch; ``population_size`` defaults to 16 x that (64..512, Meta-Schedule's default is 512).
+
+    With ``check_default`` (default), each tuned task's best schedule is then timed side by side
+    with the task's default schedule (``verify_rounds`` rounds, same builder and runner); the
+    manifest keeps both, and the build applies only the tuned schedules that won.
 
     ``on_task_done`` / ``on_batch`` are called after each task / measured batch, once its records
     are on disk (tests use them to simulate Ctrl-C).
@@ -779,6 +1006,7 @@ def tune(
         best_us = best[key] * 1e6 if key in best else None
         summaries.append(TaskSummary(task.task_name, key, budget, trials_done, trials_done, best_us, at_budget))
         rset.manifest["tasks"][key] = {
+            **entry,  # keeps default_us / tuned_us / verified_trials of an earlier run
             "name": task.task_name,
             "weight": int(task.weight),
             "budget": int(entry.get("budget", 0)),
@@ -795,6 +1023,14 @@ def tune(
     builder = runner = None
     search_target = tuning_target(target)
     population = population_size or min(512, max(64, 16 * num_trials_per_iter))
+
+    def workers():
+        """Builder and runner, started once, for the first task that needs them."""
+        nonlocal builder, runner
+        if builder is None:
+            builder = make_builder(max_workers, timeout_s)
+            runner = _make_runner(search_target, rpc, evaluator, timeout_s, max_workers)
+        return builder, runner
 
     def checkpoint(database) -> None:
         """Copy the working database's records into the record set and save it atomically."""
@@ -835,9 +1071,7 @@ def tune(
                     num_threads=num_threads,
                     rand_state=seed + i + summary.trials,
                 ).clone()
-                if builder is None:  # workers start once, for the first task that needs them
-                    builder = make_builder(max_workers, timeout_s)
-                    runner = _make_runner(search_target, rpc, evaluator, timeout_s, max_workers)
+                builder, runner = workers()
                 _run_scheduler(
                     state,
                     lambda: ms.tune.tune_tasks(
@@ -861,6 +1095,15 @@ def tune(
                 state["task"] = None
                 if on_task_done is not None:
                     on_task_done(summary)
+            bar.close()
+            if check_default:
+                tuned = [s for s in summaries if s.best_us is not None]
+                if tuned:
+                    load_tensor_intrinsics()
+                    verify_against_default(
+                        rset, mod, target, [t for t, s in zip(tasks, summaries) if s.best_us is not None],
+                        tuned, *workers(), rounds=verify_rounds, say=say if progress else None,
+                    )
         except KeyboardInterrupt:
             if state["task"] is not None:
                 with contextlib.suppress(Exception):
@@ -870,8 +1113,9 @@ def tune(
         finally:
             bar.close()
 
-    result = TuneResult(path, summaries, time.time() - t_start, database=rset.to_database(), messages=messages)
-    return result
+    skipped, _ = slower_than_default(rset)
+    database = rset.to_database(exclude=skipped)
+    return TuneResult(path, summaries, time.time() - t_start, database=database, messages=messages)
 
 
 def _open_for_tuning(path: Path, model_name, model_hash, target, messages: list[str]) -> RecordSet:
@@ -1001,20 +1245,107 @@ def run_executable(ex, inputs: dict, device=None):
     return out.numpy() if hasattr(out, "numpy") else [o.numpy() for o in out]
 
 
-def measure_speedup(mod: tvm.IRModule, target, database, inputs: dict) -> dict:
-    """Untuned (default schedules only) vs tuned build of the same fused module, timed side by side."""
+@dataclasses.dataclass
+class SpeedupReport:
+    """Tuned vs untuned build of one model through ``tvm_fusion.build``, timed side by side."""
+
+    model: str
+    target_key: str
+    untuned_ms: float
+    tuned_ms: float
+    tuned_kernels: int
+    default_kernels: int
+    records_note: str
+    max_abs_diff: float
+    rounds: int
+
+    @property
+    def speedup(self) -> float:
+        return self.untuned_ms / self.tuned_ms if self.tuned_ms > 0 else float("nan")
+
+    def __str__(self) -> str:
+        return (
+            f"{self.model} on {self.target_key}: untuned {self.untuned_ms:.4f} ms, tuned {self.tuned_ms:.4f} ms "
+            f"(x{self.speedup:.2f}, median of {self.rounds} interleaved rounds); {self.tuned_kernels} kernels tuned, "
+            f"{self.default_kernels} default; outputs differ by at most {self.max_abs_diff:.2e}\n"
+            f"  records: {self.records_note}"
+        )
+
+
+def measure_speedup(
+    model,
+    target="llvm",
+    *,
+    tuning_logs: str | os.PathLike = "tuning_logs",
+    policy=None,
+    options: dict | None = None,
+    inputs: dict | None = None,
+    rounds: int = 15,
+    number: int = 10,
+) -> SpeedupReport:
+    """Build ``model`` with the real pipeline twice, with ``tuning_logs`` and with none, and time
+    both executables in alternation (``rounds`` rounds of ``number`` calls; medians reported)."""
+    import statistics  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    from .api import build as api_build  # noqa: PLC0415
+
     target = parse_target(target)
-    untuned, c0 = build(mod, target, None)
-    tuned, counts = build(mod, target, database)
-    t_untuned = time_executable(untuned, inputs)
-    t_tuned = time_executable(tuned, inputs)
+    if is_gpu(target) and not tvm.device(target.kind.name, 0).exist:
+        raise TargetError(f"cannot time {target.kind.name} builds: no {target.kind.name} device here")
+    imported = load_model(model)
+    options = dict(options or {})
+    untuned = api_build(imported, target, policy, tuning_logs=None, **options)
+    tuned = api_build(imported, target, policy, tuning_logs=tuning_logs, **options)
+    if inputs is None:
+        inputs = _random_inputs(imported)
+    from .targets import device_for  # noqa: PLC0415
+
+    device = device_for(target)
+    out_u = run_executable(untuned.executable, inputs, device)
+    out_t = run_executable(tuned.executable, inputs, device)
+    diff = max(
+        float(np.max(np.abs(np.asarray(a, dtype="float64") - np.asarray(b, dtype="float64"))))
+        for a, b in zip(_as_list(out_u), _as_list(out_t))
+    )
+    timers = []
+    for ex in (untuned.executable, tuned.executable):
+        vm = relax.VirtualMachine(ex, device)
+        args = [tvm.runtime.tensor(v, device) for v in inputs.values()]
+        timers.append((vm.time_evaluator("main", device, number=number, repeat=1, min_repeat_ms=50), args))
+    samples: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for k, (timer, args) in enumerate(timers):
+            samples[k].append(float(timer(*args).mean))
+    return SpeedupReport(
+        model=imported.name,
+        target_key=target_key(target),
+        untuned_ms=statistics.median(samples[0]) * 1e3,
+        tuned_ms=statistics.median(samples[1]) * 1e3,
+        tuned_kernels=tuned.tuned_kernels,
+        default_kernels=tuned.default_kernels,
+        records_note=str(tuned.records_note),
+        max_abs_diff=diff,
+        rounds=rounds,
+    )
+
+
+def _as_list(out):
+    return out if isinstance(out, list) else [out]
+
+
+def _random_inputs(imported) -> dict:
+    import numpy as np  # noqa: PLC0415
+
+    from .models import random_inputs  # noqa: PLC0415
+
+    if imported.onnx_model is not None:
+        return random_inputs(imported.onnx_model)
+    rng = np.random.default_rng(0)
     return {
-        "untuned_ms": t_untuned * 1e3,
-        "tuned_ms": t_tuned * 1e3,
-        "speedup": t_untuned / t_tuned if t_tuned > 0 else float("nan"),
-        "tuned_functions": counts.tuned,
-        "default_functions": counts.default,
-        "summary": counts.summary(),
+        s.name: rng.standard_normal([d if isinstance(d, int) and d > 0 else 1 for d in s.shape]).astype(s.dtype)
+        for s in imported.inputs
     }
 
 
@@ -1023,20 +1354,33 @@ def measure_speedup(mod: tvm.IRModule, target, database, inputs: dict) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def default_fuse(mod: tvm.IRModule, target) -> tvm.IRModule:
-    """Legalize + FuseOps + FuseTIR (Relax's "zero" pipeline). Whatever the build uses instead must
-    be used for tuning too, or the records will not match (they are keyed by PrimFunc hash)."""
-    with parse_target(target):
-        return relax.get_pipeline("zero")(mod)
+def fuse_for_build(mod: tvm.IRModule, target, policy=None, options: dict | None = None) -> tvm.IRModule:
+    """The fused, unscheduled module ``tvm_fusion.build`` schedules: the project pipeline with
+    ``schedule=False``, pass by pass under ``with target:`` exactly as the build runs it. Records
+    are keyed by PrimFunc hash, so tuning must see these very functions (same policy and options
+    as the build, e.g. ``layout``, ``horizontal``)."""
+    from .pipeline import pipeline_passes  # noqa: PLC0415
+
+    target = parse_target(target)
+    opts = {k: v for k, v in (options or {}).items() if k not in ("schedule", "database")}
+    passes = pipeline_passes(target, policy, schedule=False, **opts)
+    with target:
+        for p in passes:
+            mod = p(mod)
+    return mod
 
 
-def load_model(source):
-    """An example name (``tvm_fusion.models.EXAMPLES``), an .onnx path or a ModelProto -> ImportedModel."""
+def load_model(source, name: str | None = None):
+    """An ImportedModel, an example name (``tvm_fusion.models.EXAMPLES``), an .onnx path, a
+    ModelProto or a Relax IRModule -> ImportedModel (as ``tvm_fusion.build`` sees it)."""
     from . import frontend, models  # noqa: PLC0415
+    from .api import as_imported  # noqa: PLC0415
 
-    if isinstance(source, str) and source in models.EXAMPLES:
-        return frontend.import_onnx(models.example(source), name=source)
-    return frontend.import_onnx(source)
+    if isinstance(source, frontend.ImportedModel):
+        return source
+    if isinstance(source, str) and source in models.EXAMPLES and not Path(source).exists():
+        return frontend.import_onnx(models.example(source), name=name or source)
+    return as_imported(source, name)
 
 
 def tune_model(
@@ -1044,21 +1388,26 @@ def tune_model(
     target="llvm",
     *,
     trials: int,
-    fuse: Callable[[tvm.IRModule, tvm.target.Target], tvm.IRModule] = default_fuse,
+    policy=None,
+    options: dict | None = None,
+    log_root: str | os.PathLike = "tuning_logs",
+    name: str | None = None,
+    fuse: Callable[[tvm.IRModule, tvm.target.Target], tvm.IRModule] | None = None,
     measure: bool = False,
     **tune_kwargs,
-) -> tuple[TuneResult, dict | None]:
-    """Import, fuse and tune a model; with ``measure=True`` also time tuned vs untuned builds."""
+) -> TuneResult:
+    """Import (if needed), fuse with the build's own passes and tune a model; ``str(result)`` is
+    a per-kernel summary. ``policy``/``options`` must be what the build will get (they shape the
+    fused kernels). ``measure=True`` also times the tuned against the untuned build
+    (``result.speedup``, see :func:`measure_speedup`). Other keywords go to :func:`tune`
+    (``rpc``, ``max_trials_per_task``, ``num_trials_per_iter``, ``progress``, ...)."""
     target = parse_target(target)
-    imported = load_model(source)
-    mod = fuse(imported.mod, target)
-    result = tune(mod, target, model_name=imported.name, model_hash=imported.model_hash, trials=trials, **tune_kwargs)
-    speed = None
+    imported = load_model(source, name)
+    mod = fuse(imported.mod, target) if fuse is not None else fuse_for_build(imported.mod, target, policy, options)
+    result = tune(
+        mod, target, model_name=imported.name, model_hash=imported.model_hash, trials=trials, log_root=log_root,
+        **tune_kwargs,
+    )
     if measure:
-        if is_gpu(target) and not tvm.device(target.kind.name, 0).exist:
-            raise TargetError(f"cannot time {target.kind.name} builds: no {target.kind.name} device here")
-        from .models import random_inputs  # noqa: PLC0415
-
-        inputs = random_inputs(imported.onnx_model)
-        speed = measure_speedup(mod, target, result.database, inputs)
-    return result, speed
+        result.speedup = measure_speedup(imported, target, tuning_logs=log_root, policy=policy, options=options)
+    return result
