@@ -142,6 +142,7 @@ class CanonicalizeActivations:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         changed = False
+        mod = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)  # never edit the caller's module
         for gvar, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
                 continue

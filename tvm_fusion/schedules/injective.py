@@ -29,6 +29,12 @@ class Injective(ScheduleRule):
         infos = normalize_prim_func(sch)
         if not infos or not all(b.is_injective() for b in infos):
             return None
+        if any(sch.get(b.block_rv).init is not None for b in infos):
+            # A reduction whose loops all have extent 1 (a 1x1 depthwise conv) looks injective once
+            # dlight drops unit loops, but inlining an epilogue into a block with an init puts the
+            # epilogue into both init and update (the bias would be added twice). Leave it to
+            # Contraction.
+            return None
         remaining = try_inline(sch, infos)
         for info in remaining:
             schedule_injective_block(sch, info.block_rv, target)
