@@ -3,6 +3,7 @@
 
     python scripts/benchmark.py            # ResNet-style net, ResNet-18 (224x224), BERT-base layer (seq 128)
     python scripts/benchmark.py --quick    # small models, 5 runs: only checks that everything completes
+    python scripts/benchmark.py --suite cpu  # MobileNet block, ResNet-18, BERT layer (the CPU performance floor set)
 """
 
 import sys

@@ -25,6 +25,18 @@ RNG = np.random.default_rng(0)
 
 
 # -- helpers ------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def parallel_even_tiny_kernels(monkeypatch, request):
+    """Test shapes are tiny; schedule them as the big kernels they stand for (parallel included).
+
+    ``test_tiny_contraction_stays_single_threaded`` opts out to test the threshold itself.
+    """
+    if "keep_parallel_threshold" not in request.keywords:
+        from tvm_fusion.schedules import contraction
+
+        monkeypatch.setattr(contraction, "PARALLEL_MIN_MACS", 0)
+
+
 def _rand(*shape, scale=1.0):
     return (RNG.standard_normal(shape) * scale).astype("float32")
 
@@ -432,3 +444,21 @@ def test_fast_gelu_legalization_is_vectorizable_and_switchable():
     assert "T.erf" not in _prim_funcs(fast)["gelu"].script()  # the polynomial, no libm call
     for m in (slow, fast):
         np.testing.assert_allclose(_run(m, [x]), exact, rtol=0, atol=2e-6)
+
+
+@pytest.mark.keep_parallel_threshold
+def test_tiny_contraction_stays_single_threaded():
+    """Below PARALLEL_MIN_MACS waking the thread pool costs more than the work: no parallel loop."""
+    from tvm_fusion.schedules.contraction import PARALLEL_MIN_MACS
+
+    assert 1 * 32 * 10 < PARALLEL_MIN_MACS
+    w = _rand(32, 10)
+    mod = _module({"x": (1, 32)}, lambda bb, x: relax.op.matmul(x, relax.const(w)))
+    x = _rand(1, 32)
+    sched = _scheduled(mod)
+    funcs = _prim_funcs(sched)
+    assert funcs
+    for func in funcs.values():
+        kinds = loop_kinds(func)
+        assert tirx.ForKind.PARALLEL not in kinds and tirx.ForKind.VECTORIZED in kinds, kinds
+    np.testing.assert_allclose(_run(sched, [x]), x @ w, rtol=1e-5, atol=1e-5)

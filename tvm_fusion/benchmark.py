@@ -60,7 +60,20 @@ def _stats(times: list[float]) -> tuple[float, float]:
     return float(np.median(times)), float(np.percentile(times, 90))
 
 
-def time_ort(model, feeds, threads: int, runs: int, warmup: int):
+@dataclasses.dataclass
+class _Variant:
+    label: str
+    run: Callable[[], None]
+    output: np.ndarray
+    kernels: int | None = None
+    bytes_moved: int | None = None
+    note: str = ""
+    vm: relax.VirtualMachine | None = None
+    args: list | None = None
+    times: list = dataclasses.field(default_factory=list)
+
+
+def ort_variant(model, feeds, threads: int) -> _Variant:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -68,17 +81,15 @@ def time_ort(model, feeds, threads: int, runs: int, warmup: int):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    out = session.run(None, feeds)[0]
-    return out, _timings_ms(lambda: session.run(None, feeds), runs, warmup)
+    return _Variant("onnxruntime", lambda: session.run(None, feeds), session.run(None, feeds)[0],
+                    note=f"{threads} threads, ORT_ENABLE_ALL")
 
 
-def time_vm(executable, feeds, runs: int, warmup: int, profile_top: int = 0):
+def vm_variant(label, executable, lowered, feeds, note="") -> _Variant:
     vm = relax.VirtualMachine(executable, tvm.cpu())
     args = [tvm.runtime.tensor(v) for v in feeds.values()]
-    out = vm["main"](*args).numpy()
-    times = _timings_ms(lambda: vm["main"](*args), runs, warmup)
-    top = kernel_times(vm, args, repeat=3)[:profile_top] if profile_top else []
-    return out, times, top
+    return _Variant(label, lambda: vm["main"](*args), vm["main"](*args).numpy(), kernel_count(lowered),
+                    estimated_bytes(lowered), note, vm, args)
 
 
 def stock_build(model, target):
@@ -90,40 +101,50 @@ def stock_build(model, target):
 
 
 def benchmark_model(name: str, model, target, *, runs: int, warmup: int, tuning_logs, profile_top: int = 5,
-                    variants=("onnxruntime", "stock", "untuned", "tuned", "unfused"), log=print) -> list[Row]:
+                    variants=("onnxruntime", "stock", "untuned", "tuned", "unfused"), rounds: int = 3,
+                    log=print) -> list[Row]:
+    """Build every variant, check it against ONNX Runtime, then time them in interleaved rounds.
+
+    Interleaving (a block of runs of each variant, ``rounds`` times over) makes a noisy, shared
+    machine slow every variant alike instead of whichever happened to run during the noise.
+    """
     feeds = models.random_inputs(model)
     threads = int(target.attrs.get("num-cores", os.cpu_count() or 1))
-    rows: list[Row] = []
-    ref, times = time_ort(model, feeds, threads, runs, warmup)
-    if "onnxruntime" in variants:
-        rows.append(Row(name, "onnxruntime", *_stats(times), None, None, 0.0, f"{threads} threads, ORT_ENABLE_ALL"))
-        log(f"  onnxruntime: {rows[-1].median_ms:.3f} ms")
-
-    def add(variant, executable, lowered, note="", top=0):
-        out, times, top_rows = time_vm(executable, feeds, runs, warmup, top)
-        err = float(np.max(np.abs(out - ref)))
-        rows.append(Row(name, variant, *_stats(times), kernel_count(lowered), estimated_bytes(lowered), err, note,
-                        top_kernels=top_rows))
-        log(f"  {variant}: {rows[-1].median_ms:.3f} ms, {rows[-1].kernels} kernels, max abs err {err:.2g}")
-
+    ort = ort_variant(model, feeds, threads)
+    built = [ort] if "onnxruntime" in variants else []
+    skipped: list[Row] = []
     if "stock" in variants:
-        executable, lowered = stock_build(model, target)
-        add("stock TVM (zero pipeline)", executable, lowered, "FuseOps+FuseTIR, no schedules")
+        built.append(vm_variant("stock TVM (zero pipeline)", *stock_build(model, target), feeds, "FuseOps+FuseTIR, no schedules"))
     if "untuned" in variants:
         result = build(model, target, name=name, tuning_logs=None)
-        add("tvm_fusion untuned", result.executable, result.lowered, "default schedules", profile_top)
+        built.append(vm_variant("tvm_fusion untuned", result.executable, result.lowered, feeds, "default schedules"))
     if "tuned" in variants:
         result = build(model, target, name=name, tuning_logs=tuning_logs)
         if result.tuned_kernels:
-            add("tvm_fusion tuned", result.executable, result.lowered,
-                f"{result.tuned_kernels} kernels from tuning_logs/{name}/{target_key(target)}", profile_top)
+            built.append(vm_variant("tvm_fusion tuned", result.executable, result.lowered, feeds,
+                                    f"{result.tuned_kernels} kernel functions from tuning_logs/{name}/{target_key(target)}"))
         else:
-            rows.append(Row(name, "tvm_fusion tuned", None, None, None, None, None,
-                            f"no records: run `tvm-fusion tune {name}` ({result.records_note})"))
+            skipped.append(Row(name, "tvm_fusion tuned", None, None, None, None, None,
+                               f"no applicable records: {result.records_note}"))
             log(f"  tuned: skipped ({result.records_note})")
     if "unfused" in variants:
         result = build(model, target, name=name, tuning_logs=None, fusion=False)
-        add("unfused (tvm_fusion, fusion off)", result.executable, result.lowered, "one kernel per op")
+        built.append(vm_variant("unfused (tvm_fusion, fusion off)", result.executable, result.lowered, feeds, "one kernel per op"))
+
+    per_round = max(1, runs // rounds)
+    for r in range(rounds):
+        for variant in built:
+            variant.times += _timings_ms(variant.run, per_round, warmup if r == 0 else 1)
+
+    rows = []
+    for variant in built:
+        top = kernel_times(variant.vm, variant.args, repeat=3)[:profile_top] if variant.vm is not None and profile_top \
+            and variant.label.startswith("tvm_fusion") else []
+        err = float(np.max(np.abs(np.asarray(variant.output) - ort.output)))
+        rows.append(Row(name, variant.label, *_stats(variant.times), variant.kernels, variant.bytes_moved, err,
+                        variant.note, top_kernels=top))
+        log(f"  {variant.label}: {rows[-1].median_ms:.3f} ms, max abs err {err:.2g}")
+    rows += skipped
     ort_ms = rows[0].median_ms if rows and rows[0].variant == "onnxruntime" else None
     for row in rows:
         if ort_ms and row.median_ms:
@@ -143,6 +164,7 @@ def model_roofline_ms(model, roofline: Roofline, target) -> tuple[float, float, 
 SUITES = {
     "full": [("resnet_block_net", models.resnet_block_net), ("mobilenet_block", models.mobilenet_block),
              ("resnet18", models.resnet18), ("bert_layer", models.bert_layer)],
+    "cpu": [("mobilenet_block", models.mobilenet_block), ("resnet18", models.resnet18), ("bert_layer", models.bert_layer)],
     "quick": [("resnet_block_net", models.resnet_block_net), ("transformer_block", models.transformer_block)],
 }
 
@@ -184,7 +206,8 @@ def format_markdown(rows: list[Row], limits, roof: Roofline, target, runs: int, 
         f"Measured {datetime.date.today().isoformat()} on {platform.processor() or platform.machine()} "
         f"({os.cpu_count()} cores), target `{json.dumps(json.loads(str(target)), separators=(',', ':'))}`, "
         f"TVM {tvm.__version__}, ONNX Runtime {onnxruntime.__version__}. Median and p90 over {runs} runs "
-        f"after {warmup} warm-up runs, all variants in one process; max abs error is against ONNX Runtime.",
+        f"after {warmup} warm-up runs, all variants in one process, timed in 3 interleaved rounds; "
+        "max abs error is against ONNX Runtime.",
         "",
         f"Machine roofline (numpy): copy bandwidth {roof.bandwidth_gbps} GB/s, GEMM {roof.peak_gflops} GFLOP/s.",
         "",
@@ -240,10 +263,12 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models, few runs: checks that the benchmark completes")
+    parser.add_argument("--suite", choices=sorted(SUITES), default=None, help="model set (default: full, or quick with --quick)")
     parser.add_argument("--out", default="docs")
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--tuning-logs", default="tuning_logs")
     args = parser.parse_args(argv)
     runs = args.runs or (5 if args.quick else 30)
-    run("quick" if args.quick else "full", args.out, runs=runs, warmup=2 if args.quick else 5, tuning_logs=args.tuning_logs)
+    suite = args.suite or ("quick" if args.quick else "full")
+    run(suite, args.out, runs=runs, warmup=2 if args.quick else 5, tuning_logs=args.tuning_logs)
     return 0

@@ -63,6 +63,9 @@ SHORT_STRIDE_PENALTY = 0.5  # packing a constant weight costs nothing at run tim
 ODD_VECTOR_PENALTY = 3.0  # vector axis extent not a multiple of the SIMD width
 MAX_ROWS = 8
 SHORT_TILE_FMAS = 1024  # below: accumulate in the global intermediate (see apply)
+# Below this many multiply-adds a kernel runs single-threaded: waking the thread pool costs ~7 us
+# on these machines, more than the work (a 1x32x10 classifier GEMM: 7.6 us parallel, 0.04 us not).
+PARALLEL_MIN_MACS = 1 << 16
 
 
 class Contraction(ScheduleRule):
@@ -124,6 +127,8 @@ class Contraction(ScheduleRule):
             self._pack_weights(sch, main, layout_free, v_it, vt, row_it, rt, main_info)
 
         # ---- tile ----------------------------------------------------------------------------
+        extents = [int_extent(sch, it.loop_rv) for it in main_info.iters]
+        small = all(e is not None for e in extents) and math.prod(extents) < PARALLEL_MIN_MACS
         s_iters = [it for it in main_info.iters if it.kind == "S"]
         r_loops = [it.loop_rv for it in main_info.iters if it.kind == "R"]
         v_o, v_i = sch.split(v_it.loop_rv, factors=[None, vt])
@@ -148,7 +153,7 @@ class Contraction(ScheduleRule):
         inner = ([row_i] if row_i is not None else []) + ([v_m] if v_m is not None else []) + [v_i]
         sch.reorder(*outer, *r_loops, *inner)
         fused = sch.fuse(*outer)
-        if (int_extent(sch, fused) or 1) > 1:
+        if (int_extent(sch, fused) or 1) > 1 and not small:
             sch.parallel(fused)
 
         # ---- accumulator tile in registers + epilogue right after the tile -------------------
