@@ -176,3 +176,19 @@ def test_cuda_without_nvcc_is_a_clear_error(monkeypatch, tmp_path, capsys):
     code, err = _cli_error(["build", "mlp_bn", "--target", "cuda", "-o", str(tmp_path / "x.so")], capsys)
     assert code == 2 and "nvcc is not on PATH" in err[0]
     assert list(tmp_path.iterdir()) == []  # nothing written half-way
+
+
+def test_cli_tune_then_build_uses_records(tmp_path, capsys):
+    logs = str(tmp_path / "logs")
+    assert main(["tune", "mlp_bn", "--trials", "4", "--tuning-logs", logs]) == 0
+    tuned = capsys.readouterr().out
+    assert "new trials" in tuned and "mlp_bn" in tuned
+    assert main(["build", "mlp_bn", "--tuning-logs", logs, "-o", str(tmp_path / "m.so")]) == 0
+    built = capsys.readouterr().out
+    assert "tuning records: " in built and "tuning records for" in built
+
+
+def test_cli_tune_cuda_without_gpu_fails_fast(tmp_path, capsys):
+    code, err = _cli_error(["tune", "mlp_bn", "--target", "cuda", "--trials", "4", "--tuning-logs", str(tmp_path)], capsys)
+    assert code == 2 and len(err) == 1 and "GPU" in err[0]
+    assert list(tmp_path.iterdir()) == []

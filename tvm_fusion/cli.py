@@ -92,7 +92,8 @@ def cmd_tune(args) -> int:
     target = parse_target(args.target, cuda_arch=args.arch)
     imported = _load_model(args.model, args.name)
     result = tuning.tune_model(imported, target, policy=args.policy, trials=args.trials, log_root=args.tuning_logs,
-                               rpc=args.rpc, max_trials_per_task=args.trials_per_task, options=_pipeline_options(args))
+                               rpc=args.rpc, max_trials_per_task=args.trials_per_task, options=_pipeline_options(args),
+                               measure=args.measure)
     print(result)
     return 0
 
@@ -162,6 +163,7 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--trials-per-task", type=int, default=None, help="cap per fused kernel (default: trials spread evenly)")
     t.add_argument("--tuning-logs", default="tuning_logs", help="where records go (default tuning_logs)")
     t.add_argument("--rpc", default=None, help="host:port:key of a TVM RPC tracker, to tune on a remote device")
+    t.add_argument("--measure", action="store_true", help="afterwards, time the tuned build against the untuned one")
     t.set_defaults(func=cmd_tune)
 
     r = sub.add_parser("run", help="load an exported .so and run it on random (or .npz) inputs")
