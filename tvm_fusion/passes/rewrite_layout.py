@@ -39,6 +39,8 @@ import tvm
 from tvm import relax, te, topi
 from tvm.ir import Op
 
+from ..legalize import override_legalization
+
 __all__ = ["RewriteLayout", "count_layout_transforms", "choose_layout", "legalize_conv2d_nchwc"]
 
 _Const = tvm.ir.expr.Constant
@@ -251,30 +253,8 @@ def legalize_conv2d_nchwc(bb: relax.BlockBuilder, call: relax.Call):
     )
 
 
-_LEGALIZE_LEVEL = 21
-_stock_conv2d_legalize = None
-
-
-def _register_nchwc_legalization() -> None:
-    """Wrap the stock conv2d FLegalize so LegalizeOps (and thus tvm.compile) handles NCHWc too."""
-    global _stock_conv2d_legalize
-    op = Op.get("relax.nn.conv2d")
-    current = op.get_attr("FLegalize")
-    if getattr(current, "__tvm_fusion_nchwc__", False) or _stock_conv2d_legalize is not None:
-        return
-    _stock_conv2d_legalize = current
-
-    def _conv2d_legalize(bb, call):
-        res = legalize_conv2d_nchwc(bb, call)
-        if res is not None:
-            return res
-        return _stock_conv2d_legalize(bb, call)
-
-    _conv2d_legalize.__tvm_fusion_nchwc__ = True
-    tvm.ir.register_op_attr("relax.nn.conv2d", "FLegalize", _conv2d_legalize, level=_LEGALIZE_LEVEL)
-
-
-_register_nchwc_legalization()
+# Relax 0.27's conv2d legalization refuses blocked layouts: ours lowers NCHWc, TVM's the rest.
+_stock_conv2d_legalize = override_legalization("relax.nn.conv2d", legalize_conv2d_nchwc)
 
 
 # ------------------------------------------------------------------------------------------------

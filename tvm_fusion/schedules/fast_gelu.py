@@ -24,11 +24,10 @@ import os
 
 import tvm
 from tvm import relax, tirx, topi
-from tvm.ir import Op
 
-_LEGALIZE_LEVEL = 21  # above the stock registration (10), like RewriteLayout's conv2d override
+from ..legalize import override_legalization
+
 _enabled = os.environ.get("TVM_FUSION_FAST_GELU", "1").strip().lower() not in ("0", "false", "no", "off")
-_stock_gelu_legalize = None
 
 
 def fast_gelu_enabled() -> bool:
@@ -67,24 +66,10 @@ def legalize_gelu_fast(bb: relax.BlockBuilder, call: relax.Call):
     return bb.call_te(gelu_fast_te, call.args[0], primfunc_name_hint="gelu")
 
 
-def _register() -> None:
-    global _stock_gelu_legalize
-    current = Op.get("relax.nn.gelu").get_attr("FLegalize")
-    if getattr(current, "__tvm_fusion_fast_gelu__", False) or _stock_gelu_legalize is not None:
-        return
-    _stock_gelu_legalize = current
-
-    def _gelu_legalize(bb, call):
-        if _enabled:
-            res = legalize_gelu_fast(bb, call)
-            if res is not None:
-                return res
-        return _stock_gelu_legalize(bb, call)
-
-    _gelu_legalize.__tvm_fusion_fast_gelu__ = True
-    tvm.ir.register_op_attr("relax.nn.gelu", "FLegalize", _gelu_legalize, level=_LEGALIZE_LEVEL)
+def _try_fast(bb: relax.BlockBuilder, call: relax.Call):
+    return legalize_gelu_fast(bb, call) if _enabled else None
 
 
-_register()
+override_legalization("relax.nn.gelu", _try_fast)
 
 __all__ = ["fast_gelu", "fast_gelu_enabled", "gelu_fast_te", "legalize_gelu_fast", "set_fast_gelu"]
