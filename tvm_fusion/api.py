@@ -20,8 +20,8 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from . import __version__
-from .errors import InputError, TargetError, TvmFusionError
+from . import __version__, models
+from .errors import InputError, TargetError, TvmFusionError, last_line
 from .frontend import ImportedModel, TensorSpec, import_onnx
 from .pipeline import pipeline_passes
 from .report import Summary, summarize
@@ -37,6 +37,8 @@ def as_imported(model, name: str | None = None) -> ImportedModel:
     if isinstance(model, tvm.IRModule):
         return ImportedModel(mod=model, name=name or "module", model_hash=_module_hash(model),
                              inputs=_relax_inputs(model), outputs=[])
+    if isinstance(model, str) and model in models.EXAMPLES and not Path(model).exists():
+        return import_onnx(models.example(model), name or model)  # a bundled example, by name
     if isinstance(model, (str, os.PathLike, onnx.ModelProto)):
         return import_onnx(model, name)
     raise TvmFusionError(f"cannot build from {type(model).__name__}: pass an .onnx path, an onnx.ModelProto or a Relax IRModule")
@@ -126,14 +128,14 @@ def build(model, target="llvm", policy=None, *, name: str | None = None, tuning_
             except TvmFusionError:
                 raise
             except Exception as err:
-                raise TvmFusionError(f"pass {p.info.name} failed on {imported.name}: {_last_line(err)}") from err
+                raise TvmFusionError(f"pass {p.info.name} failed on {imported.name}: {last_line(err)}") from err
             if p.info.name == "MetaScheduleApplyDatabase":
                 tuned = _scheduled_count(mod)
     scheduled = _scheduled_count(mod)
     try:
         executable = tvm.compile(mod, target=target)
     except Exception as err:
-        raise TvmFusionError(f"compiling {imported.name} for {target.kind.name} failed: {_last_line(err)}") from err
+        raise TvmFusionError(f"compiling {imported.name} for {target.kind.name} failed: {last_line(err)}") from err
     summary = summarize(imported.mod, mod)
     return BuildResult(executable, target, imported, mod, summary, tuned_kernels=tuned,
                        default_kernels=scheduled - tuned, records_note=note,
@@ -200,7 +202,7 @@ class LoadedModel:
         try:
             self.lib = tvm.runtime.load_module(str(self.path))
         except Exception as err:
-            raise TvmFusionError(f"{self.path}: cannot load module: {_last_line(err)}") from None
+            raise TvmFusionError(f"{self.path}: cannot load module: {last_line(err)}") from None
         self.vm = relax.VirtualMachine(self.lib, self.device)
         self.inputs = [TensorSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in self.metadata.get("inputs", [])]
         self.buckets = self.metadata.get("buckets", [])
@@ -272,10 +274,6 @@ def _relax_inputs(mod: tvm.IRModule) -> list[TensorSpec]:
 def _module_hash(mod: tvm.IRModule) -> str:
     return f"{tvm_ffi.structural_hash(mod) & 0xFFFFFFFFFFFFFFFF:016x}"
 
-
-def _last_line(err: Exception) -> str:
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    return (lines[-1] if lines else type(err).__name__)[:500]
 
 
 __all__ = ["BuildResult", "LoadedModel", "TargetError", "build", "export_library", "load", "optimize"]

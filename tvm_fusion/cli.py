@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .api import as_imported
 from .errors import TvmFusionError
 
 
@@ -36,22 +37,12 @@ def _pipeline_options(args) -> dict:
     return {"fold_batch_norm": args.fold_batch_norm, "horizontal": args.horizontal, "layout": layout, "fusion": args.fusion}
 
 
-def _load_model(spec: str, name: str | None):
-    """A path, or a bundled example name when no such file exists."""
-    from . import models
-    from .frontend import import_onnx
-
-    if not Path(spec).exists() and spec in models.EXAMPLES:
-        return import_onnx(models.example(spec), name or spec)
-    return import_onnx(spec, name)
-
-
 def cmd_build(args) -> int:
     from .api import build
     from .targets import parse_target
 
     target = parse_target(args.target, cuda_arch=args.arch)
-    imported = _load_model(args.model, args.name)
+    imported = as_imported(args.model, args.name)
     from .shape_cache import parse_bucket
 
     tuning_logs = None if args.no_tuning_logs else args.tuning_logs
@@ -66,14 +57,12 @@ def cmd_build(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from tvm import relax
-
     from .passes import explain
     from .pipeline import pipeline_passes
     from .targets import parse_target
 
     target = parse_target(args.target, cuda_arch=args.arch)
-    imported = _load_model(args.model, args.name)
+    imported = as_imported(args.model, args.name)
     passes = pipeline_passes(target, args.policy, **_pipeline_options(args))
     mod = imported.mod
     with target:
@@ -90,7 +79,7 @@ def cmd_tune(args) -> int:
     from .targets import parse_target
 
     target = parse_target(args.target, cuda_arch=args.arch)
-    imported = _load_model(args.model, args.name)
+    imported = as_imported(args.model, args.name)
     result = tuning.tune_model(imported, target, policy=args.policy, trials=args.trials, log_root=args.tuning_logs,
                                rpc=args.rpc, max_trials_per_task=args.trials_per_task, options=_pipeline_options(args),
                                measure=args.measure)

@@ -5,6 +5,12 @@ readable line instead of a C++ backtrace.
 """
 
 
+def last_line(err: BaseException, limit: int = 500) -> str:
+    """The informative part of an exception: TVM puts the message on the last line, after the backtrace."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(err).__name__)[:limit]
+
+
 class TvmFusionError(Exception):
     """Base class: a problem with the user's input, not a bug in tvm_fusion."""
 

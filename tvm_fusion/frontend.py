@@ -12,7 +12,7 @@ import onnx
 import tvm
 from tvm.relax.frontend.onnx import from_onnx
 
-from .errors import ModelLoadError, UnsupportedOpError
+from .errors import ModelLoadError, UnsupportedOpError, last_line
 
 # The Relax ONNX frontend implements converters back to opset 1 for most ops, but models older
 # than opset 7 use semantics (e.g. BatchNormalization's spatial/is_test attrs) it does not model.
@@ -97,7 +97,7 @@ def import_onnx(source, name: str | None = None) -> ImportedModel:
         try:
             mod = from_onnx(model, keep_params_in_input=False)
         except Exception as err:
-            raise ModelLoadError(f"{where}: the Relax ONNX frontend failed: {_last_line(err)}") from None
+            raise ModelLoadError(f"{where}: the Relax ONNX frontend failed: {last_line(err)}") from None
     return ImportedModel(
         mod=mod,
         name=_safe_name(name or model.graph.name or "model"),
@@ -139,7 +139,3 @@ def _value_specs(model, values, skip=frozenset()) -> list[TensorSpec]:
 def _safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "model"
 
-
-def _last_line(err: Exception) -> str:
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    return (lines[-1] if lines else type(err).__name__)[:500]

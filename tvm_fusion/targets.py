@@ -14,7 +14,7 @@ from typing import Any
 
 import tvm
 
-from .errors import TargetError
+from .errors import TargetError, last_line
 
 DEFAULT_CUDA_ARCH = "sm_80"
 
@@ -70,7 +70,7 @@ def parse_target(spec: Any, cuda_arch: str | None = None) -> tvm.target.Target:
         try:
             target = tvm.target.Target(spec)
         except Exception as err:
-            raise TargetError(f"TVM rejected target {spec}: {_first_line(err)}") from None
+            raise TargetError(f"TVM rejected target {spec}: {last_line(err)}") from None
         if target.kind.name == "cuda" and target.host is None:
             target = tvm.target.Target(target, host=llvm_target())
         return target
@@ -123,7 +123,3 @@ def device_for(target: tvm.target.Target, index: int = 0):
         raise TargetError(f"no {target.kind.name} device {index} on this machine: cannot run {target.kind.name} code here")
     return dev
 
-
-def _first_line(err: Exception) -> str:
-    lines = [ln for ln in str(err).splitlines() if ln.strip()]
-    return lines[-1] if lines else type(err).__name__

@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterable
 import tvm
 from tvm import relax
 
-from .errors import TargetError, TuningRecordError, TvmFusionError
+from .errors import TargetError, TuningRecordError, TvmFusionError, last_line
 from .targets import is_gpu, parse_target, target_json, target_key
 
 WORKLOAD_FILE = "database_workload.json"
@@ -358,14 +358,14 @@ def read_record_set(path: str | os.PathLike) -> RecordSet:
         try:
             rset.workloads.append(ms.database.Workload.from_json(obj))
         except Exception as err:
-            raise TuningRecordError(f"{wpath}: line {lineno}: not a Meta-Schedule workload ({_last_line(err)})") from None
+            raise TuningRecordError(f"{wpath}: line {lineno}: not a Meta-Schedule workload ({last_line(err, 300)})") from None
     for lineno, obj in _json_lines(rpath):
         try:
             index, body = obj
             workload = rset.workloads[int(index)]
             rset.records.append(ms.database.TuningRecord.from_json(body, workload))
         except Exception as err:
-            raise TuningRecordError(f"{rpath}: line {lineno}: not a valid tuning record ({_last_line(err)})") from None
+            raise TuningRecordError(f"{rpath}: line {lineno}: not a valid tuning record ({last_line(err, 300)})") from None
     for what, got, file in (("workloads", len(rset.workloads), wpath), ("records", len(rset.records), rpath)):
         want = int(manifest.get(f"num_{what}", 0))
         if got < want:  # more is fine: a run stopped between writing records and the manifest
@@ -1219,10 +1219,6 @@ def _progress_bar(total: int, enabled: bool):
     return tqdm(total=total, unit="trial", desc="tuning", disable=not enabled, dynamic_ncols=True)
 
 
-def _last_line(err: Exception) -> str:
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    return (lines[-1] if lines else type(err).__name__)[:300]
-
 
 # --------------------------------------------------------------------------------------------
 # Speed-up measurement
@@ -1371,15 +1367,9 @@ def fuse_for_build(mod: tvm.IRModule, target, policy=None, options: dict | None 
 
 
 def load_model(source, name: str | None = None):
-    """An ImportedModel, an example name (``tvm_fusion.models.EXAMPLES``), an .onnx path, a
-    ModelProto or a Relax IRModule -> ImportedModel (as ``tvm_fusion.build`` sees it)."""
-    from . import frontend, models  # noqa: PLC0415
+    """Whatever ``tvm_fusion.build`` accepts (ImportedModel, example name, .onnx path, ModelProto, IRModule)."""
     from .api import as_imported  # noqa: PLC0415
 
-    if isinstance(source, frontend.ImportedModel):
-        return source
-    if isinstance(source, str) and source in models.EXAMPLES and not Path(source).exists():
-        return frontend.import_onnx(models.example(source), name=name or source)
     return as_imported(source, name)
 
 
