@@ -183,8 +183,9 @@ def _as_node(binding, policy: FusionPolicy) -> Node | None:
     if not isinstance(binding.var.ty, relax.TensorType) or binding.var.ty.dtype == "":
         return None
     op_name = call.op.name.removeprefix("relax.")
-    if op_name.startswith(("call_", "builtin.", "memory.", "vm.")) or "." in op_name and op_name.split(".")[0] not in ("nn", "image"):
-        return None
+    namespace = op_name.split(".")[0] if "." in op_name else ""
+    if op_name.startswith("call_") or namespace not in ("", "nn", "image"):
+        return None  # call_tir/call_dps_packed, builtin/memory/vm ops: not tensor compute to regroup
     return Node(binding.var, call, op_name, policy.op_class(op_name))
 
 
