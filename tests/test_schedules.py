@@ -295,6 +295,77 @@ def test_long_reduction_accumulates_in_a_local_register_tile():
     assert 'scope="local"' in func.script()
 
 
+# -- cache blocking of long reductions --------------------------------------------------------
+def _reduction_loop_layout(func, block):
+    """For each loop around block (outermost first): 'R' if it binds a reduction iter, else 'S'."""
+    from tvm import s_tir
+
+    from tvm_fusion.schedules.fallback import _get_sblockrealize
+
+    sch = s_tir.Schedule(func)
+    blk = sch.get_sblock(block)
+    stmt, realize = sch.get(blk), _get_sblockrealize(sch, blk)
+    r_vars = [
+        v for it, val in zip(stmt.iter_vars, realize.iter_values) if it.iter_type == tirx.IterVar.CommReduce
+        for v in tirx.analysis.undefined_vars(val)
+    ]
+    out = []
+    for lp in sch.get_loops(blk):
+        var = sch.get(lp).loop_var
+        out.append("R" if any(v.same_as(var) for v in r_vars) else "S")
+    return "".join(out)
+
+
+def _update_block(func):
+    names = [n for n in _block_names(func) if n.endswith("_update")]
+    assert len(names) == 1, names
+    return names[0]
+
+
+@pytest.mark.parametrize("k,blocked", [(1024, True), (64, False)], ids=["K1024_blocked", "K64_plain"])
+def test_long_gemm_reduction_is_cache_blocked(k, blocked):
+    """K=1024: the packed panel of a 24/32-wide tile is 96-128 KiB, more than L1, so the K loop is
+    split and its outer chunk loop runs outside the row tiles (parallel / k_o / rows / k_i /
+    micro-kernel). K=64: the panel fits L1, the schedule is the plain one (one K loop)."""
+    w, b = _rand(k, 512, scale=0.05), _rand(512)
+
+    def body(bb, x):
+        return relax.op.nn.relu(bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w))), relax.const(b))))
+
+    x = _rand(128, k)
+    sched = _check(_module({"x": (128, k)}, body), [x], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(_run(sched, [x]), np.maximum(x @ w + b, 0), rtol=1e-4, atol=1e-4)
+    (func,) = [f for n, f in _prim_funcs(sched).items() if "matmul" in n]
+    layout = _reduction_loop_layout(func, _update_block(func))
+    par = [lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.PARALLEL]
+    assert par, func
+    if blocked:
+        # S(parallel) R(chunk) S..(row tiles) R(k in chunk) S..(micro-kernel)
+        assert layout.count("R") == 2 and "RS" in layout and "SR" in layout[1:], layout
+        assert layout.startswith("SR"), layout
+    else:
+        assert layout.count("R") == 1, layout
+
+
+def test_conv2d_256_input_channels_is_cache_blocked():
+    """3x3 conv, 256 -> 64 channels at 14x14: the weight panel per channel tile (256*9 taps) is far
+    more than L1; the input-channel loop is chunked outside the spatial tiles, numbers unchanged."""
+    cin, cout, size = 256, 64, 14
+    w, b = _rand(cout, cin, 3, 3, scale=0.05), _rand(1, cout, 1, 1)
+    res = _rand(1, cout, size, size)
+
+    def body(bb, x):
+        y = bb.emit(relax.op.nn.conv2d(x, relax.const(w), padding=1))
+        y = bb.emit(relax.op.add(bb.emit(relax.op.add(y, relax.const(b))), relax.const(res)))
+        return relax.op.nn.relu(y)
+
+    sched = _check(_module({"x": (1, cin, size, size)}, body), [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4)
+    (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
+    layout = _reduction_loop_layout(func, _update_block(func))
+    # the input-channel chunk loop sits between the parallel loop and the spatial tile loops; the
+    # in-chunk channels and the 3x3 taps are inside them
+    assert layout.startswith("SR") and layout.count("R") == 4 and "SRRR" in layout[2:], layout
+
 # -- reduction prologue + contraction (layer_norm / softmax fused in front of a GEMM) ---------
 def _policy_fused(mod, policy=None):
     """The project pipeline up to FuseTIR (no schedules): LN -> matmul -> add -> gelu is one PrimFunc."""
