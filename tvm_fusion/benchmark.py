@@ -133,7 +133,10 @@ def benchmark_model(name: str, model, target, *, runs: int, warmup: int, tuning_
 
     per_round = max(1, runs // rounds)
     for r in range(rounds):
-        for variant in built:
+        # Alternate the order each round, and pause between blocks: ORT's worker threads keep
+        # spinning for a while after a run and would slow whichever variant comes next.
+        for variant in (built if r % 2 == 0 else built[::-1]):
+            time.sleep(0.2)
             variant.times += _timings_ms(variant.run, per_round, warmup if r == 0 else 1)
 
     rows = []
@@ -206,7 +209,8 @@ def format_markdown(rows: list[Row], limits, roof: Roofline, target, runs: int, 
         f"Measured {datetime.date.today().isoformat()} on {platform.processor() or platform.machine()} "
         f"({os.cpu_count()} cores), target `{json.dumps(json.loads(str(target)), separators=(',', ':'))}`, "
         f"TVM {tvm.__version__}, ONNX Runtime {onnxruntime.__version__}. Median and p90 over {runs} runs "
-        f"after {warmup} warm-up runs, all variants in one process, timed in 3 interleaved rounds; "
+        f"after {warmup} warm-up runs, all variants in one process, timed in 3 interleaved rounds (order alternating); "
+        f"TVM thread pool {os.environ.get('TVM_NUM_THREADS', 'TVM default')} threads; "
         "max abs error is against ONNX Runtime.",
         "",
         f"Machine roofline (numpy): copy bandwidth {roof.bandwidth_gbps} GB/s, GEMM {roof.peak_gflops} GFLOP/s.",
