@@ -16,12 +16,19 @@ from tvm_fusion import FusionPolicy, build, models
 from tvm_fusion.targets import llvm_target
 
 
-def measure(model, target, policy, feeds, number=10, repeat=7, **options):
+def build_vm(model, target, policy, **options):
     result = build(model, target, policy, tuning_logs=None, **options)
-    vm = relax.VirtualMachine(result.executable, tvm.cpu())
+    return result.summary.kernels, relax.VirtualMachine(result.executable, tvm.cpu())
+
+
+def interleaved_medians_ms(vms, feeds, rounds=7, number=20):
+    """Median latency per config, timed round-robin so machine noise hits every config alike."""
     args = [tvm.runtime.tensor(v) for v in feeds.values()]
-    times = vm.time_evaluator("main", tvm.cpu(), number=number, repeat=repeat)(*args).results
-    return result.summary.kernels, float(np.median(times)) * 1e3
+    samples = {key: [] for key in vms}
+    for r in range(rounds):
+        for key in (list(vms) if r % 2 == 0 else list(vms)[::-1]):
+            samples[key] += vms[key].time_evaluator("main", tvm.cpu(), number=number, repeat=1)(*args).results
+    return {key: float(np.median(v)) * 1e3 for key, v in samples.items()}
 
 
 def main(argv=None) -> int:
@@ -32,17 +39,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     target = llvm_target()
     lines = ["# max_fusion_depth ablation", "",
-             f"LLVM target `{target}`, untuned (default schedules); median of 7×10 runs; fusion off = one kernel per op.", "",
+             f"LLVM target `{target}`, untuned (default schedules); median of 7 interleaved rounds × 20 runs; fusion off = one kernel per op.", "",
              "| model | depth | kernels | median ms | vs fusion off |", "| --- | ---: | ---: | ---: | ---: |"]
     for name in args.models:
         model = models.example(name)
         feeds = models.random_inputs(model)
-        base_kernels, base_ms = measure(model, target, None, feeds, fusion=False)
-        lines.append(f"| {name} | off | {base_kernels} | {base_ms:.3f} | 1.00 |")
-        print(lines[-1], flush=True)
+        configs = {"off": build_vm(model, target, None, fusion=False)}
         for depth in args.depths:
-            kernels, ms = measure(model, target, FusionPolicy(max_fusion_depth=depth), feeds)
-            lines.append(f"| {name} | {depth} | {kernels} | {ms:.3f} | {base_ms / ms:.2f}x |")
+            configs[depth] = build_vm(model, target, FusionPolicy(max_fusion_depth=depth))
+        ms = interleaved_medians_ms({k: vm for k, (_, vm) in configs.items()}, feeds)
+        for key, (kernels, _) in configs.items():
+            lines.append(f"| {name} | {key} | {kernels} | {ms[key]:.3f} | {ms['off'] / ms[key]:.2f}x |")
             print(lines[-1], flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
