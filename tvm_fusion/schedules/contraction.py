@@ -62,9 +62,11 @@ from ._util import (
 )
 
 GATHER_PENALTY = 10.0  # a strided operand along the vector axis: one load per lane
-OUT_STRIDED_PENALTY = 1.0  # the tile's write-back is transposed (cheap: once per tile)
-PACK_PENALTY = 0.5
-SHORT_STRIDE_PENALTY = 0.5  # packing a constant weight costs nothing at run time, but prefer no copy
+PACK_PENALTY = 0.05  # packing a constant weight costs nothing at run time: only a tie-breaker
+SLIDING_LOAD_COST = 3.0  # a contiguous window sliding with a reduction iter (w + kw): misaligned, split lines
+FMA_IN_FLIGHT = 8  # FMA latency (4 cycles) x FMA pipes (2): fewer accumulators leave pipes idle
+TILE_OVERHEAD_CYCLES = 100  # per tile: loop, accumulator init, pointer set-up (fitted on 1x1 convs)
+SHORT_STRIDE_PENALTY = 0.5  # per unit of stride: `stride` vector loads and shuffles per vector
 ODD_VECTOR_PENALTY = 3.0  # vector axis extent not a multiple of the SIMD width
 MAX_ROWS = 8
 SHORT_TILE_FMAS = 1024  # below: accumulate in the global intermediate (see apply)
@@ -251,15 +253,26 @@ class Contraction(ScheduleRule):
 
     # ------------------------------------------------------------------------------------------
     def _plan(self, main_info, stmt, reads, layout_free, target, dtype):
-        """Choose (vector iter, vector tile, row iter, row tile) by a load-per-FMA cost model."""
+        """Choose (vector iter, vector tile, row iter, row tile) by a cycles-per-FMA cost model.
+
+        Per reduction step the micro-kernel issues ``A = rows x vt/lanes`` FMAs and some loads; it
+        takes ``max(A, loads, FMA_IN_FLIGHT) / 2`` cycles (two FMA pipes, two vector loads a cycle,
+        and FMA latency x pipes = 8 accumulators needed to keep the pipes busy). Each tile also pays
+        a fixed cost (loop, init, accumulator set-up) and its write-back, which is a scatter of
+        single lanes when the vector iter is not the output's contiguous dim. The cost is the
+        tile's cycles over the cycles its FMAs need at peak: 1.0 is FMA-bound.
+        """
         lanes = vector_lanes(target, dtype)
-        max_acc = num_vector_registers(target) - 4
+        regs = num_vector_registers(target)
+        max_acc = regs - 4
         s_iters = [it for it in main_info.iters if it.kind == "S" and it.dom >= 2]
         if not s_iters:
             return None
         out_region = stmt.writes[0]
         cores = num_cores(target)
         total = math.prod(it.dom for it in main_info.iters if it.kind == "S")
+        r_vars = [it.var for it in main_info.iters if it.kind == "R"]
+        r_steps = math.prod(it.dom for it in main_info.iters if it.kind == "R")
         best = None
         for v_it in s_iters:
             pen = 0.0
@@ -267,7 +280,10 @@ class Contraction(ScheduleRule):
             for r in reads:
                 c = access_class(r, v_it.var)
                 stride = 1
-                if c == "strided":
+                if c == "contiguous" and any(_uses_var(r.region[-1].min, rv) for rv in r_vars):
+                    # a sliding window (w + kw): misaligned loads, half of them split across lines
+                    c = "sliding"
+                elif c == "strided":
                     stride = last_dim_stride(r, v_it.var)
                     if r.source in layout_free and bare_var_dim(r, v_it.var) is not None:
                         c = "packed"
@@ -279,8 +295,7 @@ class Contraction(ScheduleRule):
                     else:
                         pen += GATHER_PENALTY
                 kinds[id(r)] = (c, stride)
-            if access_class(out_region, v_it.var) != "contiguous":
-                pen += OUT_STRIDED_PENALTY
+            out_strided = access_class(out_region, v_it.var) != "contiguous"
             ext = v_it.dom
             vts = [m * lanes for m in (4, 3, 2, 1) if ext % (m * lanes) == 0]
             if not vts:
@@ -295,7 +310,9 @@ class Contraction(ScheduleRule):
                 for vt in vts:
                     nvec = math.ceil(vt / lanes)
                     for rt in rts:
-                        if rt * nvec > max_acc:
+                        acc = rt * nvec
+                        # accumulators + one row of operand vectors + the broadcast register
+                        if acc > max_acc or acc + nvec + 1 > regs:
                             continue
                         loads = 0.0
                         for r in reads:
@@ -306,19 +323,23 @@ class Contraction(ScheduleRule):
                                 loads += mult
                             elif c in ("contiguous", "packed"):
                                 loads += nvec * mult
+                            elif c == "sliding":
+                                loads += SLIDING_LOAD_COST * nvec * mult
                             elif c == "short_stride":
                                 loads += 1.5 * stride * nvec * mult
                             else:
                                 loads += vt * mult
-                        work = rt * vt / lanes
-                        cost = pen + 2.0 * loads / work
+                        step = max(acc, loads, FMA_IN_FLIGHT) / 2
+                        write_back = acc * (lanes if out_strided else 1) / 2
+                        tile = r_steps * step + TILE_OVERHEAD_CYCLES + write_back
+                        cost = pen + tile / (r_steps * acc / 2)
                         # load imbalance across cores (1 tile on 2 cores: half the machine idles)
                         ntiles = total // (vt * rt)
                         cost *= math.ceil(ntiles / cores) * cores / max(ntiles, 1)
                         # ties: rows along the output's contiguous dim (broadcast operands then
                         # walk memory contiguously), then the narrower vector (smaller packed panel)
                         row_last = row_it is not None and _out_dim_of(out_region, row_it.var) == len(out_region.region) - 1
-                        key = (round(cost, 3), -work, not row_last, vt)
+                        key = (round(cost, 3), -acc, not row_last, vt)
                         if best is None or key < best[0]:
                             best = (key, v_it, vt, row_it if rt > 1 else None, rt)
         if best is None:
