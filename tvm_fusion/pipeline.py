@@ -10,7 +10,8 @@ Order, and why:
 4. ``RewriteLayout`` + ``FoldConstant``: NCHW{c}/NHWC per target; weights transformed at compile time.
 5. ``ApplyFusionPolicy``: groups named ops into Primitive functions as the policy decides.
 6. ``LegalizeOps``, ``AnnotateTIROpPattern``, ``FoldConstant``, ``FuseTIR``: one PrimFunc per group.
-7. Schedules: tuned records (``MetaScheduleApplyDatabase``) first, then default (dlight) rules.
+7. Schedules: constant weights marked layout-free, tuned records (``MetaScheduleApplyDatabase``),
+   default (dlight-style) rules for the rest, packed weights folded into constants.
 
 The result is a lowered Relax module; plain ``tvm.compile(mod, target)`` finishes the build.
 """
@@ -79,7 +80,7 @@ def pipeline_passes(
         HorizontalFuse,
         RewriteLayout,
     )
-    from .schedules import apply_default_schedules
+    from .schedules import default_schedule_passes, mark_prepackable
 
     target = parse_target(target)
     policy = FusionPolicy.coerce(policy)
@@ -103,9 +104,12 @@ def pipeline_passes(
         relax.transform.DeadCodeElimination(),
     ]
     if schedule:
+        # constant weights marked first, so tuned schedules can pre-pack them like ours do
+        passes += mark_prepackable(target)
         if database is not None:
             passes.append(in_target(target, _apply_database(database), "MetaScheduleApplyDatabase"))
-        passes.append(in_target(target, apply_default_schedules(target), "DefaultSchedules"))
+        rules, *finish = default_schedule_passes(target)
+        passes += [in_target(target, rules, "DefaultSchedules"), *finish]
     return passes
 
 

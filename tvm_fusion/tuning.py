@@ -59,8 +59,13 @@ from .targets import is_gpu, parse_target, target_json, target_key
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
 MANIFEST_FILE = "manifest.json"
-MANIFEST_FORMAT = 1
+# 2: workloads are the layout-free-marked functions (format 1 records never match them any more)
+MANIFEST_FORMAT = 2
 FAILED_RUN_SECS = 1e9  # Meta-Schedule records failed builds/runs with run_secs = [1e10]
+# Before the Meta-Schedule search, each task measures up to this many runner-up plans of our
+# Contraction rule (its cost model is a guess; the next-best register tiles are the cheapest
+# candidates there are), taking at most half of the task's trial budget.
+RULE_CANDIDATES = 7
 # A tuned schedule replaces the default one only if it is at least this much faster (side by side
 # timings on a busy machine differ by a few percent between identical kernels).
 MIN_GAIN = 0.03
@@ -300,7 +305,7 @@ class RecordSet:
         index = self.workload_index()
         wl_lines = [json.dumps(w.as_json(), separators=(",", ":")) for w in self.workloads]
         rec_lines = [
-            json.dumps([index[_shash(r.workload.mod)], r.as_json()], separators=(",", ":"))
+            json.dumps([index[_shash(r.workload.mod)], _record_json(r)], separators=(",", ":"))
             for r in self.records
         ]
         self.manifest["num_workloads"] = len(wl_lines)
@@ -309,6 +314,33 @@ class RecordSet:
         atomic_write_text(self.path / WORKLOAD_FILE, "".join(line + "\n" for line in wl_lines))
         atomic_write_text(self.path / RECORD_FILE, "".join(line + "\n" for line in rec_lines))
         atomic_write_text(self.path / MANIFEST_FILE, json.dumps(self.manifest, indent=2) + "\n")
+
+
+def _record_json(rec) -> list:
+    """``TuningRecord.as_json()`` that also works for traces with ``transform_layout`` (weight
+    packing): the record's own JSON leaves the IndexMap an object that Meta-Schedule's Python
+    converter rejects, while ``trace.as_json()`` gives it as the string ``from_json`` reads back."""
+    from tvm.s_tir.meta_schedule import _ffi_api as ms_api  # noqa: PLC0415
+
+    _trace, *rest = ms_api.TuningRecordAsJSON(rec)
+    return [_plain_json(rec.trace.as_json())] + [_plain_json(part) for part in rest]
+
+
+def _plain_json(obj):
+    """TVM containers and scalars (and Python lists of them) as plain JSON values."""
+    import tvm_ffi  # noqa: PLC0415
+
+    if obj is None or isinstance(obj, (bool, int, float)):
+        return obj
+    if isinstance(obj, str):
+        return str(obj)
+    if isinstance(obj, (tvm.tirx.IntImm, tvm.tirx.FloatImm)):
+        return obj.value
+    if isinstance(obj, (dict, tvm_ffi.Map)):
+        return {_plain_json(k): _plain_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, tvm_ffi.Array)):
+        return [_plain_json(x) for x in obj]
+    raise TypeError(f"cannot write {type(obj).__name__} into a tuning record")
 
 
 def _mean_secs(rec) -> float | None:
@@ -393,6 +425,11 @@ def check_compatible(manifest: dict, path: Path, model_hash: str, target) -> lis
     """Reasons this record set must not be used for (model_hash, target, this TVM); [] if none."""
     target = parse_target(target)
     problems = []
+    if manifest.get("format") != MANIFEST_FORMAT:
+        problems.append(
+            f"record format {manifest.get('format')}, this tvm_fusion reads format {MANIFEST_FORMAT} "
+            "(its workloads are not the functions the build schedules)"
+        )
     if manifest.get("model_hash") != model_hash:
         problems.append(f"made for model hash {manifest.get('model_hash')}, this model is {model_hash}")
     want = target_json(target)
@@ -545,8 +582,9 @@ class ApplyTuningRecords:
     """Replace each PrimFunc that has a record by its best measured schedule.
 
     Meta-Schedule finds a record by the structural hash of the PrimFunc, so this must run on the
-    module exactly as it was tuned. Applied functions get ``tirx.is_scheduled`` and are skipped by
-    the default (dlight) schedules that run after it.
+    module exactly as it was tuned; on CPU it first marks constant weights layout-free as tuning
+    did (``schedules.mark_prepackable``; a no-op on a module marked already). Applied functions
+    get ``tirx.is_scheduled`` and are skipped by the default schedules that run after it.
     """
 
     def __init__(self, database, target=None, enable_warning: bool = False):
@@ -564,7 +602,10 @@ class ApplyTuningRecords:
             elif tvm.target.Target.current(allow_none=True) is None:
                 raise TargetError("apply_records needs a target: pass target= or run under `with target:`")
             stack.enter_context(self.database)
-            return apply(mod)
+            from .schedules import mark_prepackable  # noqa: PLC0415
+
+            marked = tvm.transform.Sequential(mark_prepackable(tvm.target.Target.current()))(mod)
+            return apply(marked)
 
 
 def apply_records(database, target=None, enable_warning: bool = False) -> tvm.transform.Pass:
@@ -600,30 +641,17 @@ def count_scheduled(mod_before: tvm.IRModule, mod_after: tvm.IRModule) -> Schedu
     return ScheduleCounts(sorted(tuned), sorted(default))
 
 
-def default_schedule_pass(target) -> tvm.transform.Pass:
-    """tvm_fusion's default schedules for target, or plain dlight rules if that module is absent."""
-    target = parse_target(target)
-    try:
-        from .schedules import apply_default_schedules  # noqa: PLC0415
-
-        return apply_default_schedules(target)
-    except ImportError:
-        from tvm.s_tir import dlight as dl  # noqa: PLC0415
-
-        if is_gpu(target):
-            return dl.ApplyDefaultSchedule(
-                dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
-            )
-        return dl.ApplyDefaultSchedule(dl.cpu.GEMV(), dl.cpu.Reduction())
-
-
 def schedule(mod: tvm.IRModule, target, database=None) -> tuple[tvm.IRModule, ScheduleCounts]:
-    """Apply tuned schedules from ``database`` then default schedules to a fused module."""
+    """Schedule a fused module as the build does: constant weights marked layout-free, tuned
+    records from ``database`` applied, default schedules for the rest."""
+    from .schedules import default_schedule_passes, mark_prepackable  # noqa: PLC0415
+
     target = parse_target(target)
     with target:
-        tuned = apply_records(database)(mod)
-        counts = count_scheduled(mod, tuned)
-        scheduled = default_schedule_pass(target)(tuned)
+        marked = tvm.transform.Sequential(mark_prepackable(target))(mod)
+        tuned = apply_records(database)(marked)
+        counts = count_scheduled(marked, tuned)
+        scheduled = tvm.transform.Sequential(default_schedule_passes(target))(tuned)
     return scheduled, counts
 
 
@@ -663,26 +691,13 @@ def build(mod: tvm.IRModule, target, database=None):
 # --------------------------------------------------------------------------------------------
 
 
-def _func_key(func) -> int:
-    """Hash of a PrimFunc ignoring the attributes task extraction / layout marking add."""
-    import tvm_ffi
-
-    for attr in ("global_symbol", "layout_free_buffers"):
-        if func.attrs is not None and attr in func.attrs:
-            func = func.without_attr(attr)
-    return int(tvm_ffi.structural_hash(func))
-
-
 def default_schedule_modules(mod: tvm.IRModule, target, tasks=None) -> dict[str, tvm.IRModule]:
     """Per task (workload hash): its PrimFunc under the default schedule, as the build runs it.
 
-    On CPU the build (``schedules.apply_default_schedules``) packs constant weights at compile
-    time: it marks PrimFunc arguments bound to constants ``layout_free_buffers``, the Contraction
-    rule packs them in a block annotated as layout-rewrite preproc, and Relax folds that block
-    into a new constant. Here the same marks are attached (``AttachAttrLayoutFreeBuffers`` on the
-    whole module, matched to each task by structure), the same rules schedule the function, and
-    the builder drops the preproc block (``RemoveWeightLayoutRewriteBlock``, as it does for tuned
-    candidates), so the timed kernel reads pre-packed weights like the built one does.
+    Task functions carry the build's layout-free marks (see :func:`extract_tasks`), so the
+    Contraction rule packs constant weights in a block annotated as layout-rewrite preproc, and
+    the builder drops that block (``RemoveWeightLayoutRewriteBlock``, as it does for tuned
+    candidates): the timed kernel reads pre-packed weights like the built one does.
     """
     from tvm.s_tir import dlight as dl  # noqa: PLC0415
 
@@ -690,24 +705,12 @@ def default_schedule_modules(mod: tvm.IRModule, target, tasks=None) -> dict[str,
 
     target = parse_target(target)
     tasks = extract_tasks(mod, target) if tasks is None else tasks
-    layout_free: dict[int, Any] = {}
-    if not is_gpu(target):
-        attached = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
-        for _, func in attached.functions_items():
-            if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None:
-                marks = func.attrs.get("layout_free_buffers")
-                if marks is not None and len(marks):
-                    layout_free.setdefault(_func_key(func), marks)
     rule = dl.ApplyDefaultSchedule(*default_rules(target))
     out = {}
     for task in tasks:
         wl_mod = task.dispatched[0]
-        func = wl_mod["main"]
-        marks = layout_free.get(_func_key(func))
-        if marks is not None:
-            func = func.with_attr("layout_free_buffers", marks)
         with target:
-            out[_shash(wl_mod)] = rule(tvm.IRModule({"main": func}))
+            out[_shash(wl_mod)] = rule(tvm.IRModule({"main": wl_mod["main"]}))
     return out
 
 
@@ -924,10 +927,39 @@ def split_budget(trials: int, num_tasks: int, max_trials_per_task: int | None) -
     return shares
 
 
+def rule_candidates(task_mod: tvm.IRModule, target, first: int = 1, count: int = RULE_CANDIDATES) -> list:
+    """Schedules of a task by the Contraction rule's ``first``-th .. plans (rank 0 is the default
+    schedule): up to ``count`` ``s_tir.Schedule``s, whose traces replay as tuning records. Empty
+    for kernels the rule does not schedule (and on GPU)."""
+    from .schedules import Contraction  # noqa: PLC0415
+
+    target = parse_target(target)
+    if is_gpu(target):
+        return []
+    out = []
+    for rank in range(first, first + count):
+        sch = Contraction(plan_rank=rank).apply(task_mod["main"], target, False)
+        if sch is None:
+            break
+        out.append(sch)
+    return out
+
+
+def _rule_plan_share(budget: int) -> int:
+    return min(RULE_CANDIDATES, max(int(budget), 0) // 2)
+
+
 def extract_tasks(mod: tvm.IRModule, target) -> list:
-    """Meta-Schedule tasks of a fused module (one per distinct PrimFunc not scheduled yet)."""
+    """Meta-Schedule tasks of a fused module (one per distinct PrimFunc not scheduled yet).
+
+    On CPU the functions are first marked as the build marks them before applying records
+    (``schedules.mark_prepackable``: constant weights are layout-free), so tuned schedules may
+    pre-pack weights and the records' workloads are the functions the build looks up."""
+    from .schedules import mark_prepackable  # noqa: PLC0415
+
     ms = _ms()
     target = parse_target(target)
+    mod = tvm.transform.Sequential(mark_prepackable(target))(mod)
     tasks = ms.relax_integration.extract_tasks(mod, target)
     return [t for t in tasks if not t.mod.attrs or not t.mod.attrs.get("tirx.is_scheduled", False)]
 
@@ -964,8 +996,13 @@ def tune(
     the trials on disk. Records for another model/target/TVM found there are moved aside to
     ``<target-key>.old-<date>`` (reported, never mixed in).
 
-    Search: evolutionary with the XGBoost cost model, ``num_trials_per_iter`` candidates measured
-    per batch; ``population_size`` defaults to 16 x that (64..512, Meta-Schedule's default is 512).
+    Search, per task: first (CPU) the Contraction rule's runner-up plans, at most
+    ``RULE_CANDIDATES`` and half the task's budget (:func:`rule_candidates`); then Meta-Schedule's
+    evolutionary search with the XGBoost cost model for the rest, ``num_trials_per_iter``
+    candidates measured per batch; ``population_size`` defaults to 16 x that (64..512,
+    Meta-Schedule's default is 512). Both kinds of trial are records of the same database and
+    pack constant weights at compile time (the tasks are marked layout-free, see
+    :func:`extract_tasks`).
 
     With ``check_default`` (default), each tuned task's best schedule is then timed side by side
     with the task's default schedule (``verify_rounds`` rounds, same builder and runner); the
@@ -1032,10 +1069,13 @@ def tune(
             runner = _make_runner(search_target, rpc, evaluator, timeout_s, max_workers)
         return builder, runner
 
-    def checkpoint(database) -> None:
-        """Copy the working database's records into the record set and save it atomically."""
+    def checkpoint(database, rule_records=()) -> None:
+        """Copy the working database's records (and newly measured rule plans) into the record
+        set and save it atomically."""
         summary = state["task"]
-        recs = [r for r in database.get_all_tuning_records() if _shash(r.workload.mod) == summary.workload_hash]
+        mine = [r for r in rset.records if _shash(r.workload.mod) == summary.workload_hash]
+        searched = [r for r in database.get_all_tuning_records() if _shash(r.workload.mod) == summary.workload_hash]
+        recs = [r for r in mine if not _is_search_record(r)] + list(rule_records) + searched
         if not recs:
             return
         others = [r for r in rset.records if _shash(r.workload.mod) != summary.workload_hash]
@@ -1056,39 +1096,44 @@ def tune(
                     raise KeyboardInterrupt
                 load_tensor_intrinsics()  # TuneContext imports them; only when there is work
                 state["task"] = summary
-                todo = summary.budget - summary.trials
                 database = ms.database.MemoryDatabase()
                 _seed_database(database, rset, summary.workload_hash)
-                callback = _make_checkpoint_callback(
-                    ms, lambda db=database: checkpoint(db), bar, summary, f"{i + 1}/{len(tasks)}", on_batch, state
-                )
-                ctx = ms.TuneContext(
-                    mod=task.dispatched[0],
-                    target=search_target,
-                    space_generator="post-order-apply",
-                    search_strategy=ms.search_strategy.EvolutionarySearch(population_size=population),
-                    task_name=task.task_name,
-                    num_threads=num_threads,
-                    rand_state=seed + i + summary.trials,
-                ).clone()
                 builder, runner = workers()
-                _run_scheduler(
-                    state,
-                    lambda: ms.tune.tune_tasks(
-                        tasks=[ctx],
-                        task_weights=[1.0],
-                        work_dir=str(path),
-                        max_trials_global=todo,
-                        max_trials_per_task=todo,
-                        num_trials_per_iter=min(num_trials_per_iter, todo),
-                        builder=builder,
-                        runner=runner,
-                        database=database,
-                        cost_model=ms.cost_model.XGBModel(num_tuning_cores=num_threads, adaptive_training=True),
-                        measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [callback],
-                        task_scheduler="round-robin",
-                    )
+                _measure_rule_plans(
+                    task, summary, rset.manifest["tasks"][summary.workload_hash], search_target, builder, runner,
+                    num_trials_per_iter, lambda recs, db=database: checkpoint(db, recs), bar, on_batch, state,
                 )
+                todo = summary.budget - summary.trials
+                if todo > 0:
+                    callback = _make_checkpoint_callback(
+                        ms, lambda db=database: checkpoint(db), bar, summary, f"{i + 1}/{len(tasks)}", on_batch, state
+                    )
+                    ctx = ms.TuneContext(
+                        mod=task.dispatched[0],
+                        target=search_target,
+                        space_generator="post-order-apply",
+                        search_strategy=ms.search_strategy.EvolutionarySearch(population_size=population),
+                        task_name=task.task_name,
+                        num_threads=num_threads,
+                        rand_state=seed + i + summary.trials,
+                    ).clone()
+                    _run_scheduler(
+                        state,
+                        lambda: ms.tune.tune_tasks(
+                            tasks=[ctx],
+                            task_weights=[1.0],
+                            work_dir=str(path),
+                            max_trials_global=todo,
+                            max_trials_per_task=todo,
+                            num_trials_per_iter=min(num_trials_per_iter, todo),
+                            builder=builder,
+                            runner=runner,
+                            database=database,
+                            cost_model=ms.cost_model.XGBModel(num_tuning_cores=num_threads, adaptive_training=True),
+                            measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [callback],
+                            task_scheduler="round-robin",
+                        )
+                    )
                 checkpoint(database)
                 rset.manifest["tasks"][summary.workload_hash]["budget"] = summary.budget
                 rset.save()
@@ -1118,6 +1163,37 @@ def tune(
     return TuneResult(path, summaries, time.time() - t_start, database=database, messages=messages)
 
 
+def _measure_rule_plans(task, summary, entry, target, builder, runner, batch_size, checkpoint, bar,
+                        on_batch, state) -> None:
+    """Measure the task's Contraction runner-up plans (see :func:`rule_candidates`) in batches and
+    save them as tuning records (``checkpoint(records)``); ``entry["plans_measured"]`` makes a
+    resumed run continue where this one stopped. They are kept out of the search's database:
+    the search replays its seeds through Meta-Schedule's postprocessors, which abort on a
+    schedule that already packs its weights."""
+    ms = _ms()
+    done = int(entry.get("plans_measured", 0))
+    schedules = rule_candidates(task.dispatched[0], target, first=done + 1, count=_rule_plan_share(summary.budget) - done)
+    if not schedules:
+        return
+    workload = ms.database.Workload(task.dispatched[0])
+    for start in range(0, len(schedules), max(batch_size, 1)):
+        batch = schedules[start:start + max(batch_size, 1)]
+        times = measure_modules(builder, runner, target, [(i, sch.mod) for i, sch in enumerate(batch)], rounds=1)
+        records = [
+            ms.database.TuningRecord(
+                sch.trace, workload, [times[i]], target, ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True)
+            )
+            for i, sch in enumerate(batch) if times.get(i) is not None
+        ]
+        entry["plans_measured"] = done = done + len(batch)
+        checkpoint(records)
+        bar.update(len(batch))
+        if on_batch is not None:
+            on_batch(summary)
+        if state["stop"]:
+            raise KeyboardInterrupt
+
+
 def _open_for_tuning(path: Path, model_name, model_hash, target, messages: list[str]) -> RecordSet:
     """The existing compatible record set, or a new one (moving an incompatible one aside)."""
     if (path / MANIFEST_FILE).exists() or (path / RECORD_FILE).exists():
@@ -1135,10 +1211,16 @@ def _open_for_tuning(path: Path, model_name, model_hash, target, messages: list[
     return RecordSet(path=path, manifest=new_manifest(model_name, model_hash, target))
 
 
+def _is_search_record(rec) -> bool:
+    """Whether a record came from the Meta-Schedule search (its trace samples tile sizes, unroll
+    factors, ...) rather than from a rule plan (a fixed schedule, no sampling decisions)."""
+    return any(inst.kind.name.startswith("Sample") for inst in rec.trace.insts)
+
+
 def _seed_database(database, rset: RecordSet, workload_hash: str) -> None:
-    """Give the search the trials already measured for this task (it starts from the best ones)."""
+    """Give the search the trials it already measured for this task (it starts from the best ones)."""
     ms = _ms()
-    recs = [r for r in rset.records if _shash(r.workload.mod) == workload_hash]
+    recs = [r for r in rset.records if _shash(r.workload.mod) == workload_hash and _is_search_record(r)]
     if not recs:
         return
     wl = database.commit_workload(recs[0].workload.mod)
@@ -1352,14 +1434,17 @@ def _random_inputs(imported) -> dict:
 
 def fuse_for_build(mod: tvm.IRModule, target, policy=None, options: dict | None = None) -> tvm.IRModule:
     """The fused, unscheduled module ``tvm_fusion.build`` schedules: the project pipeline with
-    ``schedule=False``, pass by pass under ``with target:`` exactly as the build runs it. Records
+    ``schedule=False``, pass by pass under ``with target:`` exactly as the build runs it, then
+    (CPU) the layout-free marking the build does before it applies records. Records
     are keyed by PrimFunc hash, so tuning must see these very functions (same policy and options
     as the build, e.g. ``layout``, ``horizontal``)."""
     from .pipeline import pipeline_passes  # noqa: PLC0415
 
+    from .schedules import mark_prepackable  # noqa: PLC0415
+
     target = parse_target(target)
     opts = {k: v for k, v in (options or {}).items() if k not in ("schedule", "database")}
-    passes = pipeline_passes(target, policy, schedule=False, **opts)
+    passes = pipeline_passes(target, policy, schedule=False, **opts) + mark_prepackable(target)
     with target:
         for p in passes:
             mod = p(mod)

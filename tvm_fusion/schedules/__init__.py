@@ -37,28 +37,44 @@ def default_rules(target) -> list:
     return cpu_rules()
 
 
+def _is_gpu(target) -> bool:
+    return target.kind.name == "cuda" or "gpu" in target.keys
+
+
+def mark_prepackable(target, prepack: bool = True) -> list[tvm.transform.Pass]:
+    """The first scheduling step on CPU: mark PrimFunc arguments bound to constants
+    ``layout_free_buffers``, so that any schedule (our rules, or a tuned Meta-Schedule record)
+    may read them in a packed layout that is computed at compile time. Tuning extracts its tasks
+    after this step, so a record's workload is the marked function the build schedules."""
+    target = _target(target)
+    return [] if _is_gpu(target) or not prepack else [relax.transform.AttachAttrLayoutFreeBuffers()]
+
+
+def default_schedule_passes(target, prepack: bool = True) -> list[tvm.transform.Pass]:
+    """The rules for every function not scheduled yet, then (CPU) the packing blocks split into
+    their own PrimFuncs and folded into new constants."""
+    target = _target(target)
+    if _is_gpu(target):
+        return [dl.ApplyDefaultSchedule(*default_rules(target))]
+    if not prepack:
+        return [dl.ApplyDefaultSchedule(*cpu_rules(prepack=False))]
+    return [
+        dl.ApplyDefaultSchedule(*default_rules(target)),
+        relax.transform.SplitLayoutRewritePreproc(),
+        relax.transform.FoldConstant(),
+        relax.transform.DeadCodeElimination(),
+    ]
+
+
 def apply_default_schedules(target, prepack: bool = True) -> tvm.transform.Pass:
     """``dl.ApplyDefaultSchedule(*default_rules(target))``, plus compile-time weight packing on CPU.
 
     Run it inside ``with target:`` (dlight reads the target from the context when a PrimFunc has
     no "target" attribute). With ``prepack=False`` (or on GPU) it is exactly the dlight pass.
+    Tuned records go between the two halves (see ``pipeline_passes``).
     """
-    target = _target(target)
-    rules = default_rules(target)
-    if target.kind.name == "cuda" or "gpu" in target.keys:
-        return dl.ApplyDefaultSchedule(*rules)
-    if not prepack:
-        return dl.ApplyDefaultSchedule(*cpu_rules(prepack=False))
-    return tvm.transform.Sequential(
-        [
-            relax.transform.AttachAttrLayoutFreeBuffers(),
-            dl.ApplyDefaultSchedule(*rules),
-            relax.transform.SplitLayoutRewritePreproc(),
-            relax.transform.FoldConstant(),
-            relax.transform.DeadCodeElimination(),
-        ],
-        name="tvm_fusion.ApplyDefaultSchedules",
-    )
+    passes = mark_prepackable(target, prepack) + default_schedule_passes(target, prepack)
+    return passes[0] if len(passes) == 1 else tvm.transform.Sequential(passes, name="tvm_fusion.ApplyDefaultSchedules")
 
 
 __all__ = [
@@ -69,6 +85,8 @@ __all__ = [
     "apply_default_schedules",
     "cpu_rules",
     "default_rules",
+    "default_schedule_passes",
+    "mark_prepackable",
     "fast_gelu",
     "fast_gelu_enabled",
     "set_fast_gelu",

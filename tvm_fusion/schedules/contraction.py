@@ -86,9 +86,12 @@ PARALLEL_MIN_MACS = 1 << 16
 class Contraction(ScheduleRule):
     """Register-tiled, parallel, vectorized schedule for a single reduction block + epilogue."""
 
-    def __init__(self, prepack: bool = True, max_rows: int = MAX_ROWS):
+    def __init__(self, prepack: bool = True, max_rows: int = MAX_ROWS, plan_rank: int = 0):
+        """``plan_rank`` picks the cost model's n-th best micro-kernel plan instead of its best:
+        tuning measures the runners-up (``tuning.rule_candidates``), since the model is a guess."""
         self.prepack = prepack
         self.max_rows = max_rows
+        self.plan_rank = plan_rank
 
     def is_target_available(self, target: Target) -> bool:
         return is_cpu(target)
@@ -125,10 +128,10 @@ class Contraction(ScheduleRule):
             return None
         layout_free = _layout_free_buffers(func) if self.prepack else set()
 
-        plan = self._plan(main_info, stmt, reads, layout_free, target, str(out_buf.dtype))
-        if plan is None:
+        plans = self._plans(main_info, stmt, reads, layout_free, target, str(out_buf.dtype))
+        if len(plans) <= self.plan_rank:
             return None
-        v_it, vt, row_it, rt, cost = plan
+        v_it, vt, row_it, rt, cost = plans[self.plan_rank]
         logger.debug(
             "Contraction %s: vector %s/%d row %s/%d cost %.2f", stmt.name_hint, v_it.var, vt,
             None if row_it is None else row_it.var, rt, cost,
@@ -252,8 +255,9 @@ class Contraction(ScheduleRule):
         return sch
 
     # ------------------------------------------------------------------------------------------
-    def _plan(self, main_info, stmt, reads, layout_free, target, dtype):
-        """Choose (vector iter, vector tile, row iter, row tile) by a cycles-per-FMA cost model.
+    def _plans(self, main_info, stmt, reads, layout_free, target, dtype) -> list[tuple]:
+        """Every (vector iter, vector tile, row iter, row tile, cost), best first, by a
+        cycles-per-FMA cost model.
 
         Per reduction step the micro-kernel issues ``A = rows x vt/lanes`` FMAs and some loads; it
         takes ``max(A, loads, FMA_IN_FLIGHT) / 2`` cycles (two FMA pipes, two vector loads a cycle,
@@ -267,13 +271,13 @@ class Contraction(ScheduleRule):
         max_acc = regs - 4
         s_iters = [it for it in main_info.iters if it.kind == "S" and it.dom >= 2]
         if not s_iters:
-            return None
+            return []
         out_region = stmt.writes[0]
         cores = num_cores(target)
         total = math.prod(it.dom for it in main_info.iters if it.kind == "S")
         r_vars = [it.var for it in main_info.iters if it.kind == "R"]
         r_steps = math.prod(it.dom for it in main_info.iters if it.kind == "R")
-        best = None
+        ranked = {}  # (v iter, vt, row iter, rt) -> sort key
         for v_it in s_iters:
             pen = 0.0
             kinds = {}
@@ -340,12 +344,10 @@ class Contraction(ScheduleRule):
                         # walk memory contiguously), then the narrower vector (smaller packed panel)
                         row_last = row_it is not None and _out_dim_of(out_region, row_it.var) == len(out_region.region) - 1
                         key = (round(cost, 3), -acc, not row_last, vt)
-                        if best is None or key < best[0]:
-                            best = (key, v_it, vt, row_it if rt > 1 else None, rt)
-        if best is None:
-            return None
-        (cost, *_), v_it, vt, row_it, rt = best
-        return v_it, vt, row_it, rt, cost
+                        plan = (v_it, vt, row_it if rt > 1 else None, rt)
+                        ranked[plan] = min(key, ranked.get(plan, key))
+        order = sorted(ranked, key=lambda plan: (ranked[plan], s_iters.index(plan[0])))
+        return [(*plan, ranked[plan][0]) for plan in order]
 
     @staticmethod
     def _inline_around(sch, main):
