@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--measure", action="store_true",
                     help="then build the model with and without the records (tvm_fusion.build) and time both")
     ap.add_argument("--measure-only", action="store_true", help="only time tuned vs untuned builds (no tuning)")
+    ap.add_argument("--verify-again", action="store_true",
+                    help="re-time every task's best record against its default schedule (e.g. after a busy-machine run)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.measure_only:
@@ -54,6 +56,7 @@ def main(argv=None) -> int:
             max_workers=args.workers,
             progress=not args.no_progress,
             measure=args.measure,
+            verify_again=args.verify_again,
         )
     except TvmFusionError as err:
         print(f"error: {err}", file=sys.stderr)

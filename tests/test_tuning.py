@@ -501,3 +501,23 @@ def test_rule_plans_are_tuning_candidates(ms_ready, cpu, tmp_path):
     assert (64, 48) not in [tuple(int(d) for d in p.shape) for p in kernel.params]  # weight pre-packed
     inputs = models.random_inputs(model)
     np.testing.assert_allclose(tuning.run_executable(built.executable, inputs), _ort(model, inputs), rtol=1e-4, atol=1e-4)
+
+
+def test_verify_again_retimes_stored_verdicts(fabricated, cpu, tmp_path):
+    """A verdict is stored once per trial count; ``verify_again`` re-times default vs best record
+    (after a run on a busy machine) without measuring new trials."""
+    root, imported, path = _copy(fabricated, tmp_path)
+    mod = fabricated[2]
+    trials = len((path / tuning.RECORD_FILE).read_text().splitlines())
+    _set_task_fields(path, default_us=5e6, tuned_us=4e6, verified_trials=trials)
+    kw = dict(model_name=imported.name, model_hash=imported.model_hash, trials=0, log_root=root, progress=False)
+
+    assert tuning.tune(mod, cpu, **kw).new_trials == 0
+    (entry,) = json.loads((path / tuning.MANIFEST_FILE).read_text())["tasks"].values()
+    assert (entry["default_us"], entry["tuned_us"]) == (5e6, 4e6)  # kept: checked for these trials
+
+    res = tuning.tune(mod, cpu, verify_again=True, **kw)
+    (entry,) = json.loads((path / tuning.MANIFEST_FILE).read_text())["tasks"].values()
+    assert res.new_trials == 0 and len((path / tuning.RECORD_FILE).read_text().splitlines()) == trials
+    assert 0 < entry["default_us"] < 1e4 and 0 < entry["tuned_us"] < 1e4  # a 8x32x32 GEMM: microseconds
+    assert entry["verified_trials"] == trials

@@ -61,6 +61,7 @@ class BuildResult:
     tuned_kernels: int = 0
     default_kernels: int = 0
     records_note: str = ""
+    records_status: str = ""  # "ok", "missing", "mismatch", "corrupt"; "" when none were looked up
     build_seconds: float = 0.0
     buckets: list = dataclasses.field(default_factory=list)
 
@@ -115,9 +116,10 @@ def build(model, target="llvm", policy=None, *, name: str | None = None, tuning_
 
         specialised, buckets = add_shape_buckets(imported.mod, shape_buckets)
         imported = dataclasses.replace(imported, mod=specialised)
-    note = ""
+    note = status = ""
     if database is None and tuning_logs is not None and options.get("schedule", True):
-        database, note = _find_records(tuning_logs, imported, target)
+        database, report = _find_records(tuning_logs, imported, target)
+        note, status = str(report), report.status
     passes = pipeline_passes(target, policy, database=database, **options)
     mod = imported.mod
     tuned = 0
@@ -138,16 +140,16 @@ def build(model, target="llvm", policy=None, *, name: str | None = None, tuning_
         raise TvmFusionError(f"compiling {imported.name} for {target.kind.name} failed: {last_line(err)}") from err
     summary = summarize(imported.mod, mod)
     return BuildResult(executable, target, imported, mod, summary, tuned_kernels=tuned,
-                       default_kernels=scheduled - tuned, records_note=note,
+                       default_kernels=scheduled - tuned, records_note=note, records_status=status,
                        build_seconds=time.perf_counter() - start, buckets=buckets)
 
 
-def _find_records(tuning_logs, imported: ImportedModel, target) -> tuple[object | None, str]:
-    """Records for exactly this model hash, target and TVM version; anything else is reported, not applied."""
+def _find_records(tuning_logs, imported: ImportedModel, target):
+    """``(database or None, RecordReport)``: records for exactly this model hash, target and TVM
+    version; anything else is reported, not applied."""
     from . import tuning
 
-    database, report = tuning.load_records(tuning_logs, imported.name, imported.model_hash, target)
-    return database, str(report)
+    return tuning.load_records(tuning_logs, imported.name, imported.model_hash, target)
 
 
 def _scheduled_count(mod: tvm.IRModule) -> int:

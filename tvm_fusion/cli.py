@@ -82,7 +82,7 @@ def cmd_tune(args) -> int:
     imported = as_imported(args.model, args.name)
     result = tuning.tune_model(imported, target, policy=args.policy, trials=args.trials, log_root=args.tuning_logs,
                                rpc=args.rpc, max_trials_per_task=args.trials_per_task, options=_pipeline_options(args),
-                               measure=args.measure)
+                               measure=args.measure, verify_again=args.verify_again)
     print(result)
     return 0
 
@@ -153,6 +153,8 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--tuning-logs", default="tuning_logs", help="where records go (default tuning_logs)")
     t.add_argument("--rpc", default=None, help="host:port:key of a TVM RPC tracker, to tune on a remote device")
     t.add_argument("--measure", action="store_true", help="afterwards, time the tuned build against the untuned one")
+    t.add_argument("--verify-again", action="store_true",
+                   help="re-time each kernel's best record against its default schedule (after a run on a busy machine)")
     t.set_defaults(func=cmd_tune)
 
     r = sub.add_parser("run", help="load an exported .so and run it on random (or .npz) inputs")

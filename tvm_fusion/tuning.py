@@ -716,9 +716,11 @@ def default_schedule_modules(mod: tvm.IRModule, target, tasks=None) -> dict[str,
 
 def measure_modules(builder, runner, target, items: list[tuple[Any, tvm.IRModule]], rounds: int = 3) -> dict:
     """Build each ``(key, scheduled module)`` once and time it ``rounds`` times, all keys in turn
-    (side by side), with the tuning builder/runner: ``{key: median seconds or None}``."""
+    (side by side), with the tuning builder/runner: ``{key: fastest round's seconds or None}``.
+
+    The fastest round, not the median: on a shared machine other tenants only ever add time, and
+    a median of few rounds still swung 2x between identical kernels here."""
     import shutil  # noqa: PLC0415
-    import statistics  # noqa: PLC0415
 
     ms = _ms()
     target = parse_target(target)
@@ -738,7 +740,7 @@ def measure_modules(builder, runner, target, items: list[tuple[Any, tvm.IRModule
     finally:
         for i in ok:
             shutil.rmtree(os.path.dirname(built[i].artifact_path), ignore_errors=True)
-    return {key: (statistics.median(v) if v else None) for key, v in times.items()}
+    return {key: (min(v) if v else None) for key, v in times.items()}
 
 
 def _best_record(rset: RecordSet, key: str):
@@ -746,17 +748,19 @@ def _best_record(rset: RecordSet, key: str):
     return min(recs, key=lambda x: x[0])[1] if recs else None
 
 
-def verify_against_default(rset: RecordSet, mod, target, tasks, summaries, builder, runner, rounds: int = 3, say=None) -> None:
+def verify_against_default(rset: RecordSet, mod, target, tasks, summaries, builder, runner, rounds: int = 5, say=None,
+                           again: bool = False) -> None:
     """Time each task's default schedule and its best tuned record side by side; store
     ``default_us``, ``tuned_us`` and ``verified_trials`` in the manifest (read by
-    :func:`slower_than_default` when the build loads the records)."""
+    :func:`slower_than_default` when the build loads the records). Tasks checked already with
+    the trials now on disk are skipped unless ``again``."""
     target = parse_target(target)
     defaults = default_schedule_modules(mod, target, tasks)
     items = []
     todo = []
     for summary in summaries:
         entry = rset.manifest["tasks"][summary.workload_hash]
-        if entry.get("verified_trials") == summary.trials and entry.get("default_us") is not None:
+        if not again and entry.get("verified_trials") == summary.trials and entry.get("default_us") is not None:
             summary.default_us, summary.tuned_us = entry["default_us"], entry.get("tuned_us")
             continue
         best = _best_record(rset, summary.workload_hash)
@@ -983,7 +987,8 @@ def tune(
     min_repeat_ms: int = 50,
     population_size: int | None = None,
     check_default: bool = True,
-    verify_rounds: int = 3,
+    verify_rounds: int = 5,
+    verify_again: bool = False,
     on_task_done: Callable[[TaskSummary], None] | None = None,
     on_batch: Callable[[TaskSummary], None] | None = None,
     log: Callable[[str], None] | None = None,
@@ -1006,7 +1011,9 @@ def tune(
 
     With ``check_default`` (default), each tuned task's best schedule is then timed side by side
     with the task's default schedule (``verify_rounds`` rounds, same builder and runner); the
-    manifest keeps both, and the build applies only the tuned schedules that won.
+    manifest keeps both, and the build applies only the tuned schedules that won. A task is
+    checked once for the trials on disk; ``verify_again`` re-times every task (e.g. after a run
+    on a machine that was busy).
 
     ``on_task_done`` / ``on_batch`` are called after each task / measured batch, once its records
     are on disk (tests use them to simulate Ctrl-C).
@@ -1147,7 +1154,7 @@ def tune(
                     load_tensor_intrinsics()
                     verify_against_default(
                         rset, mod, target, [t for t, s in zip(tasks, summaries) if s.best_us is not None],
-                        tuned, *workers(), rounds=verify_rounds, say=say if progress else None,
+                        tuned, *workers(), rounds=verify_rounds, say=say if progress else None, again=verify_again,
                     )
         except KeyboardInterrupt:
             if state["task"] is not None:
@@ -1212,9 +1219,9 @@ def _open_for_tuning(path: Path, model_name, model_hash, target, messages: list[
 
 
 def _is_search_record(rec) -> bool:
-    """Whether a record came from the Meta-Schedule search (its trace samples tile sizes, unroll
-    factors, ...) rather than from a rule plan (a fixed schedule, no sampling decisions)."""
-    return any(inst.kind.name.startswith("Sample") for inst in rec.trace.insts)
+    """Whether a record came from the Meta-Schedule search rather than from a rule plan: the
+    search marks where its postprocessors begin (``EnterPostproc``) in every trace it makes."""
+    return any(inst.kind.name == "EnterPostproc" for inst in rec.trace.insts)
 
 
 def _seed_database(database, rset: RecordSet, workload_hash: str) -> None:

@@ -9,9 +9,12 @@ Schedule (classic CPU GEMM micro-kernel, chosen by a small cost model over the a
 
 * pick a *vector* spatial iter ``v`` (SIMD lanes) and a *row* spatial iter ``r`` (register rows)
   so that per reduction step the micro-kernel does ``rows x vt/lanes`` FMAs on accumulators held
-  in registers, loading as little as possible: operands contiguous along ``v`` are vector loads,
+  in registers, loading as little as possible: operands contiguous along ``v`` are vector loads
+  (misaligned ones when the window slides with a reduction iter, as a conv input along W),
   operands invariant along ``v`` are broadcasts; operands strided along ``v`` are gathers (very
-  expensive) unless they are layout-free (constant weights), which we pack;
+  expensive) unless they are layout-free (constant weights), which we pack. The model counts
+  cycles per tile (``_plans``); on NCHW convs it puts the lanes on output channels (packed weight
+  vectors, broadcast inputs), as NCHWc kernels do; tuning measures its runner-up plans;
 * loops: ``parallel(fused outer spatial) / reduction loops / unroll(rows) / vectorize(vt)``;
   when one tile's slice of the weight panel (its whole reduction) is larger than half of L1, the
   first reduction loop is cache-blocked: ``parallel(tiles the panel moves with) / chunk / other
