@@ -106,8 +106,10 @@ class Roofline:
         return cls(bandwidth_gbps=12.0 * cores, peak_gflops=96.0 * cores, launch_overhead_us=1.0, cache_bytes=1 << 20)
 
     @classmethod
-    def measure(cls, size_mb: int = 64, gemm_n: int = 512) -> "Roofline":
-        """Measure copy bandwidth and GEMM FLOP/s with numpy on this machine (takes ~1 s)."""
+    def measure(cls, size_mb: int = 64, gemm_n: int = 1024, tries: int = 10) -> "Roofline":
+        """Measure copy bandwidth and GEMM FLOP/s with numpy on this machine (takes ~1 s): the best
+        of ``tries``, since on a shared machine other tenants only ever make a try slower (a
+        512-wide GEMM, best of 5, once read 127 GFLOP/s where kernels then ran at 180)."""
         import time
 
         import numpy as np
@@ -115,14 +117,14 @@ class Roofline:
         src = np.ones(size_mb << 18, dtype=np.float32)
         dst = np.empty_like(src)
         best = math.inf
-        for _ in range(5):
+        for _ in range(tries):
             start = time.perf_counter()
             np.copyto(dst, src)
             best = min(best, time.perf_counter() - start)
         bandwidth = 2 * src.nbytes / best / 1e9  # read + write
         a = np.ones((gemm_n, gemm_n), dtype=np.float32)
         best = math.inf
-        for _ in range(5):
+        for _ in range(tries):
             start = time.perf_counter()
             a @ a
             best = min(best, time.perf_counter() - start)
