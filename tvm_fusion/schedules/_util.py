@@ -76,7 +76,20 @@ def access_class(region, var) -> str:
         coeff = linear_coeff(region.region[-1].min, var)
         if coeff == 1:
             return "contiguous"
+    if used_dims == [ndim - 2, ndim - 1] and _is_split_plane(region, var):
+        return "contiguous"  # [.., v // W, v % W] of an [.., H, W] buffer: v walks it linearly
     return "strided"
+
+
+def _is_split_plane(region, var) -> bool:
+    """``[.., v // W, v % W]`` on a buffer whose last dim is W (a flattened plane, see plane.py)."""
+    hi, lo = region.region[-2].min, region.region[-1].min
+    width = region.source.shape[-1]
+    return (
+        isinstance(hi, tirx.FloorDiv) and isinstance(lo, tirx.FloorMod)
+        and hi.a.same_as(var) and lo.a.same_as(var)
+        and all(isinstance(x, tirx.IntImm) and int(x) == int(width) for x in (hi.b, lo.b))
+    )
 
 
 def last_dim_stride(region, var) -> int | None:

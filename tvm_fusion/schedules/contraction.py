@@ -46,6 +46,7 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
+from .plane import flatten_plane, inline_plain_copies
 from ._util import (
     LAYOUT_REWRITE_PREPROC,
     logger,
@@ -108,6 +109,13 @@ class Contraction(ScheduleRule):
         if not infos:
             return None
         reductions = [b for b in infos if not b.is_injective()]
+        # pointwise convs: inline the input copy, then GEMM over the flattened H*W plane (plane.py)
+        if len(reductions) == 1 and inline_plain_copies(sch, reductions[0].block_rv):
+            infos = normalize_prim_func(sch)
+            reductions = [b for b in infos if not b.is_injective()]
+        if len(reductions) == 1 and flatten_plane(sch, reductions[0]):
+            infos = normalize_prim_func(sch)
+            reductions = [b for b in infos if not b.is_injective()]
         if len(reductions) == 1:
             main_info = reductions[0]
         else:

@@ -1,0 +1,148 @@
+"""Pointwise (1x1, stride 1, unpadded) NCHW convs as GEMMs over the flattened H*W plane.
+
+Such a conv is ``out[c, h, w] = sum_k W[c, k] * x[k, h, w]``: in memory a GEMM whose N axis is
+the whole plane. Scheduled as a conv, its vector axis is either W (56 on a MobileNet block: no
+16- or 32-wide tile divides it) or output channels (a scatter of single lanes on every
+write-back, paid once per 24-step reduction). Merged into one ``hw`` iter, the plane is a
+contiguous axis of 3136 elements: the Contraction rule then picks a GEMM tile (16 plane lanes x
+6 channel rows) with contiguous loads and stores.
+
+Rewrites, before the rule plans its tile:
+
+* direct producers of the contraction that are plain copies (the ``pad_temp`` of an unpadded
+  conv) are inlined: they only rename the input and cost a pass over it;
+* intermediate buffers ``[.., H, W]`` become ``[.., H*W]`` (``transform_layout``), and the
+  contraction and its epilogue blocks get one ``hw`` iter (``transform_block_layout``).
+  Function parameters keep their shape; their accesses become ``[.., hw // W, hw % W]``, which
+  ``access_class`` reads as contiguous and lowering simplifies back to ``hw``.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+
+from ._util import try_primitive
+
+
+def inline_plain_copies(sch, main) -> bool:
+    """compute_inline the direct producers of ``main`` that are plain copies; True if any was."""
+    changed = False
+    for blk in sch.get_producers(main):
+        if is_plain_copy(sch.get(blk)) and try_primitive(sch.compute_inline, blk):
+            changed = True
+    return changed
+
+
+def is_plain_copy(block) -> bool:
+    """``out[.., i, j, ..] = in[.., i, j, ..]``: the same iter vars in the same order on both sides
+    (constant indices, such as a unit batch dim, ignored), no arithmetic, no condition."""
+    body = block.body
+    # (``tirx.BufferLoad`` is a constructor function in this TVM; the node class is ``ir.TensorLoad``)
+    if not isinstance(body, tirx.BufferStore) or not isinstance(body.value, tvm.ir.expr.TensorLoad):
+        return False
+    dst, src = _var_indices(body.indices), _var_indices(body.value.indices)
+    iters = [it.var for it in block.iter_vars]
+    return (
+        all(isinstance(i, tirx.Var) for i in dst + src)
+        and len(dst) == len(src) == len(iters)
+        and all(a.same_as(b) and a.same_as(c) for a, b, c in zip(dst, src, iters))
+    )
+
+
+def flatten_plane(sch, main_info) -> bool:
+    """Merge the contraction's last two spatial iters (H, W) into one, with its epilogue, when
+    every access that uses them reads ``[.., h, w]`` of an ``[.., H, W]`` buffer. True if done."""
+    spatial = [it for it in main_info.iters if it.kind == "S"]
+    if len(spatial) < 2:
+        return False
+    h_it, w_it = spatial[-2], spatial[-1]
+    pos = main_info.iters.index(h_it)
+    if pos + 1 >= len(main_info.iters) or main_info.iters[pos + 1] is not w_it:
+        return False
+    plane = (int(h_it.dom), int(w_it.dom))
+    main = main_info.block_rv
+    blocks = [main] + _consumers_closure(sch, main)
+    pairs = []
+    for blk in blocks:
+        pair = _plane_iters(sch.get(blk), plane)
+        if pair is None:
+            return False
+        pairs.append(pair)
+    params = set(sch.mod["main"].params)  # in this TVM a PrimFunc param is its buffer
+    flat = {}  # intermediate [.., H, W] buffers -> the plane block that writes them
+    for blk in blocks:
+        stmt = sch.get(blk)
+        for region in list(stmt.reads) + list(stmt.writes):
+            buf = region.source
+            if buf not in params and tuple(int(d) for d in buf.shape[-2:]) == plane:
+                writer = next((b for b in blocks if any(w.source.same_as(buf) for w in sch.get(b).writes)), None)
+                if writer is None:
+                    return False  # written outside the plane blocks (e.g. a padded copy)
+                flat[buf.name] = (buf, writer)
+    for buf, writer in flat.values():
+        index = next(i for i, w in enumerate(sch.get(writer).writes) if w.source.same_as(buf))
+        sch.transform_layout(writer, ("write", index), _merge_map(len(buf.shape), len(buf.shape) - 2, plane[1]))
+    for blk, (hi, _) in zip(blocks, pairs):
+        sch.transform_block_layout(blk, _merge_map(len(sch.get(blk).iter_vars), hi, plane[1]))
+    return True
+
+
+def _merge_map(ndim: int, at: int, width: int) -> tirx.IndexMap:
+    """``(.., i[at], i[at + 1], ..) -> (.., i[at] * width + i[at + 1], ..)``."""
+
+    def merge(*i):
+        return [*i[:at], i[at] * width + i[at + 1], *i[at + 2:]]
+
+    return tirx.IndexMap.from_func(merge, ndim=ndim, index_dtype="int64")
+
+
+def _plane_iters(block, plane) -> tuple[int, int] | None:
+    """Positions of the block's (h, w) iters: adjacent spatial iters with extents ``plane``, used
+    by every access only as the bare last two indices of an ``[.., H, W]`` buffer."""
+    iters = list(block.iter_vars)
+    for k in range(len(iters) - 1):
+        h, w = iters[k], iters[k + 1]
+        if (int(h.dom.extent), int(w.dom.extent)) != plane:
+            continue
+        if h.iter_type != tirx.IterVar.DataPar or w.iter_type != tirx.IterVar.DataPar:
+            continue
+        if all(_plane_access(region, h.var, w.var, plane) for region in list(block.reads) + list(block.writes)):
+            return k, k + 1
+    return None
+
+
+def _plane_access(region, h, w, plane) -> bool:
+    mins = [rng.min for rng in region.region]
+    used = [d for d, m in enumerate(mins) if _uses(m, h) or _uses(m, w)]
+    if not used:
+        return True
+    nd = len(mins)
+    return (
+        used == [nd - 2, nd - 1]
+        and mins[-2].same_as(h)
+        and mins[-1].same_as(w)
+        and tuple(int(d) for d in region.source.shape[-2:]) == plane
+        and all(isinstance(rng.extent, tirx.IntImm) and int(rng.extent) == 1 for rng in region.region[-2:])
+    )
+
+
+def _consumers_closure(sch, block) -> list:
+    out, seen, stack = [], set(), list(sch.get_consumers(block))
+    while stack:
+        blk = stack.pop(0)
+        name = sch.get(blk).name_hint
+        if name in seen:
+            continue
+        seen.add(name)
+        out.append(blk)
+        stack.extend(sch.get_consumers(blk))
+    return out
+
+
+def _var_indices(indices) -> list:
+    return [i for i in indices if not isinstance(i, tirx.IntImm)]
+
+
+def _uses(expr, var) -> bool:
+    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
