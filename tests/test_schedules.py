@@ -180,6 +180,14 @@ def test_nchw_conv_vectorizes_output_channels(cin, cout, size, k):
     assert vt % 8 == 0 and shape[0] * vt == cout and shape[1:4] == (cin, k, k), shape
 
 
+def test_pointwise_conv_without_epilogue_keeps_its_plane():
+    """A bare 1x1 conv (fusion off) writes its output parameter directly; the plane is not
+    flattened there (the accumulator's write-back would cover a span of it wrongly)."""
+    w = _rand(16, 24, 1, 1, scale=0.2)
+    mod = _module({"x": (1, 24, 56, 56)}, lambda bb, x: relax.op.nn.conv2d(x, relax.const(w)))
+    _check(mod, [_rand(1, 24, 56, 56)], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("size,residual", [(10, True), (56, False)], ids=["10x10_residual", "56x56_mobilenet"])
 def test_pointwise_conv_is_a_gemm_over_the_flattened_plane(size, residual):
     """A 1x1 stride-1 conv is a GEMM whose N axis is the H*W plane: the contraction and its

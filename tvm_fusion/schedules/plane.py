@@ -62,6 +62,11 @@ def flatten_plane(sch, main_info) -> bool:
         return False
     plane = (int(h_it.dom), int(w_it.dom))
     main = main_info.block_rv
+    params = set(sch.mod["main"].params)  # in this TVM a PrimFunc param is its buffer
+    if any(w.source in params for w in sch.get(main).writes):
+        # no epilogue: the rule would stage the accumulator through a cache of the [.., H, W]
+        # output, whose write-back cannot cover a span of the flattened plane exactly
+        return False
     blocks = [main] + _consumers_closure(sch, main)
     pairs = []
     for blk in blocks:
@@ -69,7 +74,6 @@ def flatten_plane(sch, main_info) -> bool:
         if pair is None:
             return False
         pairs.append(pair)
-    params = set(sch.mod["main"].params)  # in this TVM a PrimFunc param is its buffer
     flat = {}  # intermediate [.., H, W] buffers -> the plane block that writes them
     for blk in blocks:
         stmt = sch.get(blk)
