@@ -17,6 +17,7 @@ import tvm
 from tvm import relax
 from tvm.s_tir import dlight as dl
 
+from ..targets import is_gpu
 from .cpu import Contraction, Injective, ParallelFallback, RowReduction, cpu_rules
 from .fast_gelu import fast_gelu, fast_gelu_enabled, set_fast_gelu  # registers the GELU legalization
 
@@ -32,13 +33,9 @@ def _target(target):
 def default_rules(target) -> list:
     """The ScheduleRules for target, most specific first."""
     target = _target(target)
-    if target.kind.name == "cuda" or "gpu" in target.keys:
+    if is_gpu(target):
         return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
     return cpu_rules()
-
-
-def _is_gpu(target) -> bool:
-    return target.kind.name == "cuda" or "gpu" in target.keys
 
 
 def mark_prepackable(target, prepack: bool = True) -> list[tvm.transform.Pass]:
@@ -47,14 +44,14 @@ def mark_prepackable(target, prepack: bool = True) -> list[tvm.transform.Pass]:
     may read them in a packed layout that is computed at compile time. Tuning extracts its tasks
     after this step, so a record's workload is the marked function the build schedules."""
     target = _target(target)
-    return [] if _is_gpu(target) or not prepack else [relax.transform.AttachAttrLayoutFreeBuffers()]
+    return [] if is_gpu(target) or not prepack else [relax.transform.AttachAttrLayoutFreeBuffers()]
 
 
 def default_schedule_passes(target, prepack: bool = True) -> list[tvm.transform.Pass]:
     """The rules for every function not scheduled yet, then (CPU) the packing blocks split into
     their own PrimFuncs and folded into new constants."""
     target = _target(target)
-    if _is_gpu(target):
+    if is_gpu(target):
         return [dl.ApplyDefaultSchedule(*default_rules(target))]
     if not prepack:
         return [dl.ApplyDefaultSchedule(*cpu_rules(prepack=False))]

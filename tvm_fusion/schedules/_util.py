@@ -65,10 +65,10 @@ def access_class(region, var) -> str:
     for d, rng in enumerate(region.region):
         if not _is_one(rng.extent):
             # a range access (not a point): treat as strided unless v is absent from it
-            if _uses(rng.min, var) or _uses(rng.extent, var):
+            if uses_var(rng.min, var) or uses_var(rng.extent, var):
                 return "strided"
             continue
-        if _uses(rng.min, var):
+        if uses_var(rng.min, var):
             used_dims.append(d)
     if not used_dims:
         return "invariant"
@@ -98,7 +98,7 @@ def last_dim_stride(region, var) -> int | None:
     for d, rng in enumerate(region.region):
         if not _is_one(rng.extent):
             return None
-        if d < ndim - 1 and _uses(rng.min, var):
+        if d < ndim - 1 and uses_var(rng.min, var):
             return None
     return linear_coeff(region.region[-1].min, var)
 
@@ -107,7 +107,7 @@ def bare_var_dim(region, var) -> int | None:
     """The single dim of region indexed exactly by var (and var used nowhere else), else None."""
     found = None
     for d, rng in enumerate(region.region):
-        if _uses(rng.min, var) or _uses(rng.extent, var):
+        if uses_var(rng.min, var) or uses_var(rng.extent, var):
             if found is not None or not (isinstance(rng.min, tirx.Var) and rng.min.same_as(var)):
                 return None
             if not _is_one(rng.extent):
@@ -130,7 +130,8 @@ def _is_one(expr) -> bool:
     return isinstance(expr, tirx.IntImm) and int(expr) == 1
 
 
-def _uses(expr, var) -> bool:
+def uses_var(expr, var) -> bool:
+    """Whether expr mentions var."""
     return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
 
 
@@ -235,3 +236,18 @@ def collect_loops(func_or_stmt) -> list:
 
 def loop_kinds(func) -> set:
     return {loop.kind for loop in collect_loops(func)}
+
+
+def reachable_blocks(sch, block, step) -> list:
+    """Every block reachable from block by ``step`` (``sch.get_producers`` or
+    ``sch.get_consumers``), transitively, nearest first, without duplicates."""
+    seen, out, queue = set(), [], list(step(block))
+    while queue:
+        blk = queue.pop(0)
+        name = sch.get(blk).name_hint
+        if name in seen:
+            continue
+        seen.add(name)
+        out.append(blk)
+        queue.extend(step(blk))
+    return out

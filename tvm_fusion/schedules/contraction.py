@@ -59,9 +59,11 @@ from ._util import (
     linear_coeff,
     num_cores,
     num_vector_registers,
+    reachable_blocks,
     safe_rule,
     schedule_injective_block,
     try_primitive,
+    uses_var,
     vector_lanes,
 )
 
@@ -295,7 +297,7 @@ class Contraction(ScheduleRule):
             for r in reads:
                 c = access_class(r, v_it.var)
                 stride = 1
-                if c == "contiguous" and any(_uses_var(r.region[-1].min, rv) for rv in r_vars):
+                if c == "contiguous" and any(uses_var(r.region[-1].min, rv) for rv in r_vars):
                     # a sliding window (w + kw): misaligned loads, half of them split across lines
                     c = "sliding"
                 elif c == "strided":
@@ -504,7 +506,7 @@ def _region_bytes(region, spans, elem) -> int:
         if isinstance(rng.extent, tirx.IntImm) and int(rng.extent) == 1:
             span, ok = 1, True
             for var, n in spans:
-                if _uses_var(rng.min, var):
+                if uses_var(rng.min, var):
                     c = linear_coeff(rng.min, var)
                     if c is None:
                         ok = False
@@ -513,10 +515,6 @@ def _region_bytes(region, spans, elem) -> int:
             ext = min(ext, span) if ok else ext
         total *= ext
     return total
-
-
-def _uses_var(expr, var) -> bool:
-    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
 
 
 def _reads_varying_with_reduction(stmt) -> list:
@@ -533,20 +531,6 @@ def _reads_varying_with_reduction(stmt) -> list:
     return bufs
 
 
-def _ancestors(sch, block) -> list:
-    """Every block block depends on (transitively), nearest first, without duplicates."""
-    seen, out, stack = set(), [], list(sch.get_producers(block))
-    while stack:
-        blk = stack.pop()
-        name = sch.get(blk).name_hint
-        if name in seen:
-            continue
-        seen.add(name)
-        out.append(blk)
-        stack.extend(sch.get_producers(blk))
-    return out
-
-
 def _prologue_contraction(sch, reductions):
     """The one contraction among several reduction blocks, if every other reduction is a row
     reduction (one operand moving along its reduction axes: sum / max / variance) that only feeds
@@ -558,7 +542,7 @@ def _prologue_contraction(sch, reductions):
     if len(contractions) != 1:
         return None
     main_info = contractions[0]
-    up = {sch.get(b).name_hint for b in _ancestors(sch, main_info.block_rv)}
+    up = {sch.get(b).name_hint for b in reachable_blocks(sch, main_info.block_rv, sch.get_producers)}
     for info in reductions:
         if info is main_info:
             continue
@@ -592,7 +576,7 @@ def _schedule_row_prologue(sch, anchor, target) -> set:
     anchor_stmt = sch.get(anchor)
     if not all(it.iter_type == tirx.IterVar.DataPar for it in anchor_stmt.iter_vars):
         return set()
-    group = _ancestors(sch, anchor)
+    group = reachable_blocks(sch, anchor, sch.get_producers)
     if not any(not all(it.iter_type == tirx.IterVar.DataPar for it in sch.get(b).iter_vars) for b in group):
         return set()
     stmts = [sch.get(b) for b in group]

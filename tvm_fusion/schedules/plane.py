@@ -22,7 +22,7 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from ._util import try_primitive
+from ._util import reachable_blocks, try_primitive, uses_var
 
 
 def inline_plain_copies(sch, main) -> bool:
@@ -67,7 +67,7 @@ def flatten_plane(sch, main_info) -> bool:
         # no epilogue: the rule would stage the accumulator through a cache of the [.., H, W]
         # output, whose write-back cannot cover a span of the flattened plane exactly
         return False
-    blocks = [main] + _consumers_closure(sch, main)
+    blocks = [main] + reachable_blocks(sch, main, sch.get_consumers)
     pairs = []
     for blk in blocks:
         pair = _plane_iters(sch.get(blk), plane)
@@ -118,7 +118,7 @@ def _plane_iters(block, plane) -> tuple[int, int] | None:
 
 def _plane_access(region, h, w, plane) -> bool:
     mins = [rng.min for rng in region.region]
-    used = [d for d, m in enumerate(mins) if _uses(m, h) or _uses(m, w)]
+    used = [d for d, m in enumerate(mins) if uses_var(m, h) or uses_var(m, w)]
     if not used:
         return True
     nd = len(mins)
@@ -131,22 +131,5 @@ def _plane_access(region, h, w, plane) -> bool:
     )
 
 
-def _consumers_closure(sch, block) -> list:
-    out, seen, stack = [], set(), list(sch.get_consumers(block))
-    while stack:
-        blk = stack.pop(0)
-        name = sch.get(blk).name_hint
-        if name in seen:
-            continue
-        seen.add(name)
-        out.append(blk)
-        stack.extend(sch.get_consumers(blk))
-    return out
-
-
 def _var_indices(indices) -> list:
     return [i for i in indices if not isinstance(i, tirx.IntImm)]
-
-
-def _uses(expr, var) -> bool:
-    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
