@@ -18,7 +18,7 @@ from tvm import relax
 from tvm.s_tir import dlight as dl
 
 from ..targets import is_gpu
-from .cpu import Contraction, Injective, ParallelFallback, RowReduction, cpu_rules
+from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, cpu_rules
 from .fast_gelu import fast_gelu, fast_gelu_enabled, set_fast_gelu  # registers the GELU legalization
 
 
@@ -79,6 +79,7 @@ __all__ = [
     "Injective",
     "ParallelFallback",
     "RowReduction",
+    "WindowReduction",
     "apply_default_schedules",
     "cpu_rules",
     "default_rules",

@@ -5,11 +5,12 @@ from __future__ import annotations
 from .contraction import Contraction
 from .fallback import ParallelFallback
 from .injective import Injective
+from .pool import WindowReduction
 from .reduction import RowReduction
 
 
 def cpu_rules(prepack: bool = True) -> list:
-    return [Contraction(prepack=prepack), RowReduction(), Injective(), ParallelFallback()]
+    return [WindowReduction(), Contraction(prepack=prepack), RowReduction(), Injective(), ParallelFallback()]
 
 
-__all__ = ["Contraction", "Injective", "ParallelFallback", "RowReduction", "cpu_rules"]
+__all__ = ["Contraction", "Injective", "ParallelFallback", "RowReduction", "WindowReduction", "cpu_rules"]
