@@ -7,6 +7,8 @@ import logging
 import os
 
 from tvm import DataType, s_tir, sym, tirx
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 from tvm.target.codegen import target_has_features
 
@@ -251,3 +253,19 @@ def reachable_blocks(sch, block, step) -> list:
         out.append(blk)
         queue.extend(step(blk))
     return out
+
+
+class CpuRule(ScheduleRule):
+    """A dlight schedule rule for LLVM CPU targets."""
+
+    def is_target_available(self, target: Target) -> bool:
+        return is_cpu(target)
+
+    def normalized(self, func, target: Target):
+        """``(schedule, block infos)`` of func in dlight's normal form, or None when this rule
+        cannot look at it (not a PrimFunc, not a CPU target, not normalizable)."""
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        return (sch, infos) if infos else None

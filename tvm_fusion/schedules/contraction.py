@@ -41,20 +41,19 @@ from __future__ import annotations
 
 import math
 
-from tvm import s_tir, tirx
+from tvm import tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from .plane import flatten_plane, inline_plain_copies
 from ._util import (
     LAYOUT_REWRITE_PREPROC,
+    CpuRule,
     logger,
     access_class,
     bare_var_dim,
     divisors_upto,
     int_extent,
-    is_cpu,
     last_dim_stride,
     linear_coeff,
     num_cores,
@@ -89,7 +88,7 @@ MIN_TILE_REUSE = 4  # tiles per parallel task that share one panel chunk
 PARALLEL_MIN_MACS = 1 << 16
 
 
-class Contraction(ScheduleRule):
+class Contraction(CpuRule):
     """Register-tiled, parallel, vectorized schedule for a single reduction block + epilogue."""
 
     def __init__(self, prepack: bool = True, max_rows: int = MAX_ROWS, plan_rank: int = 0):
@@ -99,17 +98,12 @@ class Contraction(ScheduleRule):
         self.max_rows = max_rows
         self.plan_rank = plan_rank
 
-    def is_target_available(self, target: Target) -> bool:
-        return is_cpu(target)
-
     @safe_rule
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):  # noqa: ARG002
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+        opened = self.normalized(func, target)
+        if opened is None:
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if not infos:
-            return None
+        sch, infos = opened
         reductions = [b for b in infos if not b.is_injective()]
         # pointwise convs: inline the input copy, then GEMM over the flattened H*W plane (plane.py)
         if len(reductions) == 1 and inline_plain_copies(sch, reductions[0].block_rv):
@@ -155,7 +149,7 @@ class Contraction(ScheduleRule):
 
         # ---- pack constant weights (before tiling: the index map is written on block vars) ------
         if self.prepack:
-            self._pack_weights(sch, main, layout_free, v_it, vt, row_it, rt, main_info)
+            self._pack_weights(sch, main, layout_free, v_it, vt, row_it, rt)
 
         # ---- tile ----------------------------------------------------------------------------
         extents = [int_extent(sch, it.loop_rv) for it in main_info.iters]
@@ -386,14 +380,10 @@ class Contraction(ScheduleRule):
                     break
 
     @staticmethod
-    def _pack_weights(sch, main, layout_free, v_it, vt, row_it, rt, main_info):
+    def _pack_weights(sch, main, layout_free, v_it, vt, row_it, rt):
         stmt = sch.get(main)
         out_buf = stmt.writes[0].source
         reads = list(stmt.reads)
-        order = sorted(
-            [(i, it, t) for i, (it, t) in enumerate(((v_it, vt), (row_it, rt))) if it is not None],
-            key=lambda x: main_info.iters.index(x[1]),
-        )
         for idx, region in enumerate(reads):
             buf = region.source
             if buf.same_as(out_buf) or buf not in layout_free:

@@ -7,27 +7,23 @@ cores, no more, so the inner loops keep simple affine indices) and its innermost
 
 from __future__ import annotations
 
-from tvm import s_tir, tirx
-from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base import ScheduleRule, try_inline
+from tvm import tirx
+from tvm.s_tir.dlight.base import try_inline
 from tvm.target import Target
 
-from ._util import is_cpu, safe_rule, schedule_injective_block
+from ._util import CpuRule, safe_rule, schedule_injective_block
 
 
-class Injective(ScheduleRule):
+class Injective(CpuRule):
     """All blocks spatial: inline, then parallel outer loops + vectorized inner loop."""
-
-    def is_target_available(self, target: Target) -> bool:
-        return is_cpu(target)
 
     @safe_rule
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):  # noqa: ARG002
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+        opened = self.normalized(func, target)
+        if opened is None:
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if not infos or not all(b.is_injective() for b in infos):
+        sch, infos = opened
+        if not all(b.is_injective() for b in infos):
             return None
         if any(sch.get(b.block_rv).init is not None for b in infos):
             # A reduction whose loops all have extent 1 (a 1x1 depthwise conv) looks injective once

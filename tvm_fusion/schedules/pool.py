@@ -12,28 +12,21 @@ from __future__ import annotations
 
 import math
 
-from tvm import s_tir, tirx
-from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base import ScheduleRule
+from tvm import tirx
 from tvm.target import Target
 
-from ._util import is_cpu, safe_rule, schedule_injective_block, try_primitive, uses_var
+from ._util import CpuRule, safe_rule, schedule_injective_block, try_primitive, uses_var
 
 MAX_WINDOW = 64  # reduction steps per output: pooling windows, not global pools or GEMMs
 
 
-class WindowReduction(ScheduleRule):
-    def is_target_available(self, target: Target) -> bool:
-        return is_cpu(target)
-
+class WindowReduction(CpuRule):
     @safe_rule
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):  # noqa: ARG002
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+        opened = self.normalized(func, target)
+        if opened is None:
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if not infos:
-            return None
+        sch, infos = opened
         reductions = [b for b in infos if not b.is_injective()]
         if len(reductions) != 1 or not _is_window(sch, reductions[0], func):
             return None
