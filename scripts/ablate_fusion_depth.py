@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Ablation over max_fusion_depth 1..8: kernel count and latency per example model, side by side.
 
-    python scripts/ablate_fusion_depth.py [--models resnet_block_net transformer_block] [--out docs/ablation_fusion_depth.md]
+python scripts/ablate_fusion_depth.py [--models resnet_block_net transformer_block] [--out docs/ablation_fusion_depth.md]
 """
 
 import argparse
@@ -26,7 +26,7 @@ def interleaved_medians_ms(vms, feeds, rounds=7, number=20):
     args = [tvm.runtime.tensor(v) for v in feeds.values()]
     samples = {key: [] for key in vms}
     for r in range(rounds):
-        for key in (list(vms) if r % 2 == 0 else list(vms)[::-1]):
+        for key in list(vms) if r % 2 == 0 else list(vms)[::-1]:
             samples[key] += vms[key].time_evaluator("main", tvm.cpu(), number=number, repeat=1)(*args).results
     return {key: float(np.median(v)) * 1e3 for key, v in samples.items()}
 
@@ -38,9 +38,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="docs/ablation_fusion_depth.md")
     args = parser.parse_args(argv)
     target = llvm_target()
-    lines = ["# max_fusion_depth ablation", "",
-             f"LLVM target `{target}`, untuned (default schedules); median of 7 interleaved rounds × 20 runs; fusion off = one kernel per op.", "",
-             "| model | depth | kernels | median ms | vs fusion off |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "# max_fusion_depth ablation",
+        "",
+        f"LLVM target `{target}`, untuned (default schedules); median of 7 interleaved rounds × 20 runs; fusion off = one kernel per op.",
+        "",
+        "| model | depth | kernels | median ms | vs fusion off |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for name in args.models:
         model = models.example(name)
         feeds = models.random_inputs(model)

@@ -26,18 +26,30 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="example model name (tvm_fusion.models) or an .onnx path")
     ap.add_argument("--target", default="llvm", help="llvm, cuda or a JSON target dict (default: llvm)")
-    ap.add_argument("--trials", type=int, default=64, help="total measured trials, split over the tasks (default 64)")
+    ap.add_argument(
+        "--trials", type=int, default=64, help="total measured trials, split over the tasks (default 64)"
+    )
     ap.add_argument("--max-trials-per-task", type=int, default=None)
     ap.add_argument("--log-root", default="tuning_logs")
-    ap.add_argument("--rpc", default=None, metavar="HOST:PORT:KEY", help="measure on a TVM RPC tracker's devices")
+    ap.add_argument(
+        "--rpc", default=None, metavar="HOST:PORT:KEY", help="measure on a TVM RPC tracker's devices"
+    )
     ap.add_argument("--per-iter", type=int, default=16, help="candidates measured per batch (default 16)")
     ap.add_argument("--workers", type=int, default=1, help="builder worker processes (default 1)")
     ap.add_argument("--policy", default=None, help="fusion policy file (must be the one the build uses)")
-    ap.add_argument("--measure", action="store_true",
-                    help="then build the model with and without the records (tvm_fusion.build) and time both")
-    ap.add_argument("--measure-only", action="store_true", help="only time tuned vs untuned builds (no tuning)")
-    ap.add_argument("--verify-again", action="store_true",
-                    help="re-time every task's best record against its default schedule (e.g. after a busy-machine run)")
+    ap.add_argument(
+        "--measure",
+        action="store_true",
+        help="then build the model with and without the records (tvm_fusion.build) and time both",
+    )
+    ap.add_argument(
+        "--measure-only", action="store_true", help="only time tuned vs untuned builds (no tuning)"
+    )
+    ap.add_argument(
+        "--verify-again",
+        action="store_true",
+        help="re-time every task's best record against its default schedule (e.g. after a busy-machine run)",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.measure_only:

@@ -11,7 +11,9 @@ from tvm_fusion import models
 from tvm_fusion.targets import llvm_target
 
 HAS_GPU = tvm.cuda(0).exist
-requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device on this machine: CUDA code is built and exported, not run")
+requires_gpu = pytest.mark.skipif(
+    not HAS_GPU, reason="no CUDA device on this machine: CUDA code is built and exported, not run"
+)
 
 
 @pytest.fixture(scope="session")

@@ -52,7 +52,9 @@ class GraphSpec:
     want its failure report to be the runnable script of ``__repr__``.)
     """
 
-    def __init__(self, code: str, seed: int, inputs: tuple, outputs: tuple, ops: tuple, depth: int, n_bn: int):
+    def __init__(
+        self, code: str, seed: int, inputs: tuple, outputs: tuple, ops: tuple, depth: int, n_bn: int
+    ):
         self.code = code  # GraphBuilder calls; ``g`` is the builder, ``np`` numpy
         self.seed = seed
         self.inputs = inputs  # (name, shape) of the model inputs
@@ -74,19 +76,24 @@ class GraphSpec:
 
     def script(self) -> str:
         """A standalone script that rebuilds the model (``model``) and its inputs (``feeds``)."""
-        return "\n".join([
-            "import math",
-            "import numpy as np",
-            "from tvm_fusion.models import GraphBuilder",
-            "",
-            f"g = GraphBuilder('random_graph', seed={self.seed})",
-            self.code.rstrip(),
-            f"model = g.finish([{', '.join(self.outputs)}])",
-            "rng = np.random.default_rng(0)",
-            "feeds = {" + ", ".join(f"{n!r}: rng.standard_normal({tuple(s)!r}).astype(np.float32)"
-                                    for n, s in self.inputs) + "}",
-            "",
-        ])
+        return "\n".join(
+            [
+                "import math",
+                "import numpy as np",
+                "from tvm_fusion.models import GraphBuilder",
+                "",
+                f"g = GraphBuilder('random_graph', seed={self.seed})",
+                self.code.rstrip(),
+                f"model = g.finish([{', '.join(self.outputs)}])",
+                "rng = np.random.default_rng(0)",
+                "feeds = {"
+                + ", ".join(
+                    f"{n!r}: rng.standard_normal({tuple(s)!r}).astype(np.float32)" for n, s in self.inputs
+                )
+                + "}",
+                "",
+            ]
+        )
 
     def __repr__(self) -> str:  # what hypothesis prints for a falsifying example
         return f"GraphSpec(ops={list(self.ops)}, depth={self.depth}) built by:\n" + self.script()
@@ -154,7 +161,9 @@ def _conv(draw, p: _Program, x: _Tensor):
         groups = 2 if (mode == "grouped" and cin % 2 == 0 and cout % 2 == 0) else 1
     bias = draw(st.booleans())
     y = p.new(IMG, (1, cout, _conv_out(h, k, stride), _conv_out(w, k, stride)), x.depth + 1 + bias)
-    p.emit(f"{y.name} = g.conv({x.name}, {cin}, {cout}, k={k}, stride={stride}, groups={groups}, bias={bias})")
+    p.emit(
+        f"{y.name} = g.conv({x.name}, {cin}, {cout}, k={k}, stride={stride}, groups={groups}, bias={bias})"
+    )
     p.ops.append(f"conv{k}x{k}/s{stride}/g{groups}{'+b' if bias else ''}")
 
 
@@ -173,8 +182,11 @@ def _conv_siblings(draw, p: _Program, x: _Tensor):
     for _ in range(n):
         cout = draw(st.sampled_from(CHANNELS))
         bias = True if all_bias else draw(st.booleans())
-        y = p.new(IMG, (1, cout, _conv_out(h, k, stride), _conv_out(w, k, stride)),
-                  x.depth + 1 + bias + (_ACT_NODES[act] if act else 0))
+        y = p.new(
+            IMG,
+            (1, cout, _conv_out(h, k, stride), _conv_out(w, k, stride)),
+            x.depth + 1 + bias + (_ACT_NODES[act] if act else 0),
+        )
         p.emit(f"{y.name} = g.conv({x.name}, {cin}, {cout}, k={k}, stride={stride}, bias={bias})")
         if act:
             p.emit(f"{y.name} = {_act_expr(act, y.name)}")
@@ -183,7 +195,9 @@ def _conv_siblings(draw, p: _Program, x: _Tensor):
 
 def _linear_line(y: str, x: str, din: int, dout: int, form: str, bias: bool) -> str:
     if form == "gemm":  # ONNX Gemm(transB=1), the torch nn.Linear export on 2-D inputs
-        ins = f"[{x}, g.weight('fc_w', ({dout}, {din}))" + (f", g.const('fc_b', {_bias(dout)})]" if bias else "]")
+        ins = f"[{x}, g.weight('fc_w', ({dout}, {din}))" + (
+            f", g.const('fc_b', {_bias(dout)})]" if bias else "]"
+        )
         return f"{y} = g.op('Gemm', {ins}, transB=1)"
     return f"{y} = g.linear({x}, {din}, {dout}, bias={bias})"  # MatMul (+ Add)
 
@@ -208,8 +222,11 @@ def _linear_siblings(draw, p: _Program, x: _Tensor):
     for _ in range(n):
         dout = draw(st.sampled_from(FEATURES))
         bias = True if all_bias else draw(st.booleans())
-        y = p.new(x.kind, (*x.shape[:-1], dout),
-                  x.depth + 1 + (bias and form == "matmul") + (_ACT_NODES[act] if act else 0))
+        y = p.new(
+            x.kind,
+            (*x.shape[:-1], dout),
+            x.depth + 1 + (bias and form == "matmul") + (_ACT_NODES[act] if act else 0),
+        )
         p.emit(_linear_line(y.name, x.name, din, dout, form, bias))
         if act:
             p.emit(f"{y.name} = {_act_expr(act, y.name)}")
@@ -246,7 +263,9 @@ def _max_pool(draw, p: _Program, x: _Tensor):
     else:
         k, s, pad = 3, 1, 1
     y = p.new(IMG, (1, c, (h + 2 * pad - k) // s + 1, (w + 2 * pad - k) // s + 1), x.depth + 1)
-    p.emit(f"{y.name} = g.op('MaxPool', [{x.name}], kernel_shape=[{k}, {k}], strides=[{s}, {s}], pads={[pad] * 4})")
+    p.emit(
+        f"{y.name} = g.op('MaxPool', [{x.name}], kernel_shape=[{k}, {k}], strides=[{s}, {s}], pads={[pad] * 4})"
+    )
     p.ops.append(f"maxpool{k}/s{s}")
 
 
@@ -312,8 +331,7 @@ def _reshape(draw, p: _Program, x: _Tensor):
 def _layers_for(x: _Tensor, focus: str | None) -> list:
     if x.kind == IMG:
         _, c, h, w = x.shape
-        layers = [_conv, _conv, _conv_siblings, _batch_norm, _activation, _residual_add, _max_pool,
-                  _swap_hw]
+        layers = [_conv, _conv, _conv_siblings, _batch_norm, _activation, _residual_add, _max_pool, _swap_hw]
         if focus != "conv":
             layers += [_global_pool, _to_tokens] + ([_flatten] if c * h * w <= 256 else [])
         return layers
@@ -329,7 +347,12 @@ def _layers_for(x: _Tensor, focus: str | None) -> list:
 
 def _draw_input_shape(draw, kind: str) -> tuple:
     if kind == IMG:
-        return (1, draw(st.sampled_from([3, 4, 8, 6, 16])), draw(st.sampled_from(SPATIAL)), draw(st.sampled_from(SPATIAL)))
+        return (
+            1,
+            draw(st.sampled_from([3, 4, 8, 6, 16])),
+            draw(st.sampled_from(SPATIAL)),
+            draw(st.sampled_from(SPATIAL)),
+        )
     if kind == SEQ:
         return (1, draw(st.sampled_from([4, 2, 8])), draw(st.sampled_from(FEATURES)))
     return (draw(st.sampled_from([2, 1, 4])), draw(st.sampled_from(FEATURES)))

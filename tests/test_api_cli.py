@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+from conftest import max_abs_err, ort_run
 from tvm import relax
 
-from conftest import max_abs_err, ort_run
 from tvm_fusion import InputError, TargetError, build, load, models, parse_target
 from tvm_fusion.cli import main
 from tvm_fusion.errors import ModelLoadError, UnsupportedOpError
@@ -91,7 +91,9 @@ def test_cli_build_prints_summary(tmp_path, capsys):
     out = tmp_path / "net.so"
     assert main(["build", str(src), "--target", "llvm", "-o", str(out), "--no-tuning-logs"]) == 0
     text = capsys.readouterr().out
-    assert "ops " in text and "kernels" in text and "fused groups" in text and "layout transforms left" in text
+    assert (
+        "ops " in text and "kernels" in text and "fused groups" in text and "layout transforms left" in text
+    )
     assert out.exists() and (tmp_path / "net.so.json").exists()
 
 
@@ -149,7 +151,7 @@ def test_bad_target(capsys):
     assert code == 2 and err[0].startswith("error: unknown target 'tpu'")
     with pytest.raises(TargetError, match="not valid JSON"):
         parse_target("{kind: cuda")
-    with pytest.raises(TargetError, match="Target kind \"foo\" is not defined"):
+    with pytest.raises(TargetError, match='Target kind "foo" is not defined'):
         parse_target({"kind": "foo"})
     with pytest.raises(TargetError, match="bad CUDA arch"):
         parse_target("cuda", cuda_arch="80")
@@ -163,8 +165,11 @@ def test_old_opset_is_rejected(tmp_path):
 
 
 def test_module_entry_point_exit_code(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tvm_fusion", "build", str(tmp_path / "x.onnx")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tvm_fusion", "build", str(tmp_path / "x.onnx")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {tmp_path / 'x.onnx'}: no such file"
     assert "Traceback" not in proc.stderr
@@ -189,6 +194,8 @@ def test_cli_tune_then_build_uses_records(tmp_path, capsys):
 
 
 def test_cli_tune_cuda_without_gpu_fails_fast(tmp_path, capsys):
-    code, err = _cli_error(["tune", "mlp_bn", "--target", "cuda", "--trials", "4", "--tuning-logs", str(tmp_path)], capsys)
+    code, err = _cli_error(
+        ["tune", "mlp_bn", "--target", "cuda", "--trials", "4", "--tuning-logs", str(tmp_path)], capsys
+    )
     assert code == 2 and len(err) == 1 and "GPU" in err[0]
     assert list(tmp_path.iterdir()) == []

@@ -6,9 +6,17 @@ from tvm_fusion import benchmark
 
 
 def test_quick_benchmark_completes(tmp_path):
-    md = benchmark.run("quick", tmp_path, runs=3, warmup=1, tuning_logs=tmp_path / "none", log=lambda *_: None)
+    md = benchmark.run(
+        "quick", tmp_path, runs=3, warmup=1, tuning_logs=tmp_path / "none", log=lambda *_: None
+    )
     text = md.read_text()
-    for variant in ("onnxruntime", "stock TVM (zero pipeline)", "tvm_fusion untuned", "tvm_fusion tuned", "unfused"):
+    for variant in (
+        "onnxruntime",
+        "stock TVM (zero pipeline)",
+        "tvm_fusion untuned",
+        "tvm_fusion tuned",
+        "unfused",
+    ):
         assert variant in text
     rows = json.loads(md.with_suffix(".json").read_text())
     timed = [r for r in rows if r["median_ms"] is not None]

@@ -4,9 +4,9 @@ import math
 
 import numpy as np
 import pytest
+from conftest import max_abs_err, ort_run, run_relax
 from tvm import relax
 
-from conftest import max_abs_err, ort_run, run_relax
 from tvm_fusion import models
 from tvm_fusion.frontend import import_onnx
 from tvm_fusion.passes import CanonicalizeActivations
@@ -28,7 +28,9 @@ def gelu_model(variant):
     return g.finish([g.relu(y)])
 
 
-@pytest.mark.parametrize("variant,op", [("mul_half_first", "nn.gelu"), ("torch_div", "nn.gelu"), ("silu", "nn.silu")])
+@pytest.mark.parametrize(
+    "variant,op", [("mul_half_first", "nn.gelu"), ("torch_div", "nn.gelu"), ("silu", "nn.silu")]
+)
 def test_rewrites_to_single_op(variant, op):
     model = gelu_model(variant)
     mod = relax.transform.FoldConstant()(import_onnx(model).mod)
@@ -45,7 +47,13 @@ def test_wrong_constant_is_not_gelu():
     g = models.GraphBuilder("not_gelu")
     x = g.input("input", (2, 8))
     erf = g.op("Erf", [g.op("Mul", [x, g.const("c", np.array(0.5, np.float32))])])  # 0.5, not 1/sqrt2
-    y = g.op("Mul", [g.op("Mul", [x, g.const("h", np.array(0.5, np.float32))]), g.op("Add", [erf, g.const("o", np.array(1.0, np.float32))])])
+    y = g.op(
+        "Mul",
+        [
+            g.op("Mul", [x, g.const("h", np.array(0.5, np.float32))]),
+            g.op("Add", [erf, g.const("o", np.array(1.0, np.float32))]),
+        ],
+    )
     mod = relax.transform.FoldConstant()(import_onnx(g.finish([y])).mod)
     assert op_counts(CanonicalizeActivations()(mod)).get("nn.gelu", 0) == 0
 

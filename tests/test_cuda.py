@@ -1,11 +1,10 @@
 """CUDA: build and export everywhere (nvcc is present); run only where a GPU exists."""
 
-import numpy as np
 import pytest
 import tvm
+from conftest import max_abs_err, ort_run, requires_gpu
 from tvm import relax
 
-from conftest import max_abs_err, ort_run, requires_gpu
 from tvm_fusion import build, models
 
 CUDA = {"kind": "cuda", "arch": "sm_80"}

@@ -2,11 +2,9 @@
 
 import numpy as np
 import pytest
-import tvm
 import tvm_ffi
-from tvm import relax
-
 from conftest import max_abs_err, ort_run
+
 from tvm_fusion import TvmFusionError, build, import_onnx, load, models
 from tvm_fusion.shape_cache import add_shape_buckets, parse_bucket, symbolic_dims
 
@@ -27,7 +25,9 @@ def dyn_mlp():
     return g.finish([g.linear(h, 64, 16)])
 
 
-@pytest.fixture(scope="module", params=[("dyn_convnet", [{"batch": 2}]), ("dyn_mlp", [{"batch": 1, "seq": 8}])])
+@pytest.fixture(
+    scope="module", params=[("dyn_convnet", [{"batch": 2}]), ("dyn_mlp", [{"batch": 1, "seq": 8}])]
+)
 def bucketed(request, tmp_path_factory):
     name, buckets = request.param
     model = {"dyn_convnet": dyn_convnet, "dyn_mlp": dyn_mlp}[name]()
@@ -49,7 +49,9 @@ def test_bucket_entry_is_static_and_generic_stays_symbolic(bucketed):
     assert set(symbolic_dims(mod, "main")) == set(bucket["bindings"])
 
 
-@pytest.mark.parametrize("dims,expect_bucket", [({"batch": 2, "seq": 8}, True), ({"batch": 3, "seq": 5}, False)])
+@pytest.mark.parametrize(
+    "dims,expect_bucket", [({"batch": 2, "seq": 8}, True), ({"batch": 3, "seq": 5}, False)]
+)
 def test_both_paths_match_onnxruntime(bucketed, dims, expect_bucket):
     model, result, loaded = bucketed
     (bucket,) = result.buckets

@@ -265,7 +265,11 @@ def _bb_conv_bn(dtype="float32", const_weight=True, layout="NCHW", training=Fals
     else:
         x_shape, w_shape, k_layout, axis = (1, 6, 6, c_in), (3, 3, c_in, c_out), "HWIO", 3
     w = (rng.standard_normal(w_shape) * 0.3).astype(dtype)
-    gamma, beta, mean = (rng.uniform(0.5, 1.5, c_out), rng.standard_normal(c_out) * 0.1, rng.standard_normal(c_out) * 0.1)
+    gamma, beta, mean = (
+        rng.uniform(0.5, 1.5, c_out),
+        rng.standard_normal(c_out) * 0.1,
+        rng.standard_normal(c_out) * 0.1,
+    )
     var = rng.uniform(0.5, 1.5, c_out)
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType(x_shape, dtype))
@@ -305,8 +309,15 @@ def test_bn_axis_not_matching_producer_not_folded_into_weights():
     with bb.function("main", [x]):
         with bb.dataflow():
             h = bb.emit(relax.op.matmul(x, relax.const(w)))
-            p = [relax.const(a.astype("float32")) for a in (rng.uniform(0.5, 1.5, 6), rng.standard_normal(6),
-                                                            rng.standard_normal(6), rng.uniform(0.5, 1.5, 6))]
+            p = [
+                relax.const(a.astype("float32"))
+                for a in (
+                    rng.uniform(0.5, 1.5, 6),
+                    rng.standard_normal(6),
+                    rng.standard_normal(6),
+                    rng.uniform(0.5, 1.5, 6),
+                )
+            ]
             bn = bb.emit(relax.op.nn.batch_norm(h, *p, axis=0, training=False))
             out = bb.emit_output(relax.TupleGetItem(bn, 0))
         bb.emit_func_output(out)
@@ -359,8 +370,10 @@ def test_moving_stats_outputs_become_the_constants():
     with bb.function("main", [x]):
         with bb.dataflow():
             h = bb.emit(relax.op.matmul(x, relax.const(rng.standard_normal((6, 6)).astype("float32"))))
-            p = [relax.const(a.astype("float32")) for a in (rng.uniform(0.5, 1.5, 6), rng.standard_normal(6), mean,
-                                                            rng.uniform(0.5, 1.5, 6))]
+            p = [
+                relax.const(a.astype("float32"))
+                for a in (rng.uniform(0.5, 1.5, 6), rng.standard_normal(6), mean, rng.uniform(0.5, 1.5, 6))
+            ]
             bn = bb.emit(relax.op.nn.batch_norm(h, *p, axis=1, training=False))
             y = bb.emit(relax.TupleGetItem(bn, 0))
             m = bb.emit(relax.TupleGetItem(bn, 1))

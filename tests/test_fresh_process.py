@@ -66,7 +66,9 @@ def two_in_two_out():
     h = g.conv_bn(a, 8, 8, k=3, act="relu6")
     h = g.relu(g.add(h, b))
     pooled = g.op("Flatten", [g.op("GlobalAveragePool", [h])], axis=1)
-    logits = g.op("Gemm", [pooled, g.weight("fc_w", (4, 8)), g.const("fc_b", np.zeros(4, np.float32))], transB=1)
+    logits = g.op(
+        "Gemm", [pooled, g.weight("fc_w", (4, 8)), g.const("fc_b", np.zeros(4, np.float32))], transB=1
+    )
     return g.finish([h, logits])
 
 
@@ -80,7 +82,9 @@ CASES = {
 def test_exported_library_runs_without_tvm_fusion(case, tmp_path):
     model = CASES[case]()
     feeds = models.random_inputs(model, seed=1)
-    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )
 
     so_path = tvm_fusion.build(model, "llvm", tuning_logs=None).export(tmp_path / f"{case}.so")
     meta = json.loads((tmp_path / f"{case}.so.json").read_text())
@@ -91,8 +95,20 @@ def test_exported_library_runs_without_tvm_fusion(case, tmp_path):
     np.savez(tmp_path / "feeds.npz", **dict(reversed(list(feeds.items()))))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
     proc = subprocess.run(
-        [sys.executable, "-I", "-c", CHILD, str(so_path), str(tmp_path / "feeds.npz"), str(tmp_path / "out.npz")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-I",
+            "-c",
+            CHILD,
+            str(so_path),
+            str(tmp_path / "feeds.npz"),
+            str(tmp_path / "out.npz"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0 and "CHILD_OK" in proc.stdout, f"child failed:\n{proc.stdout}\n{proc.stderr}"
     with np.load(tmp_path / "out.npz") as data:
@@ -106,5 +122,7 @@ def test_exported_library_runs_without_tvm_fusion(case, tmp_path):
 def test_child_really_blocks_tvm_fusion(tmp_path):
     """The guard itself must bite: an import of tvm_fusion in the child fails."""
     script = CHILD.split("import numpy as np")[0] + "import tvm_fusion\n"
-    proc = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0 and "must not be imported" in proc.stderr

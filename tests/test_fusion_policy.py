@@ -2,23 +2,27 @@
 
 import json
 
-import numpy as np
 import pytest
 import tvm
+from conftest import max_abs_err, ort_run, run_relax
 from tvm import relax
 
-from conftest import max_abs_err, ort_run, run_relax
 from tvm_fusion import FusionPolicy, Roofline, models
 from tvm_fusion.errors import TvmFusionError
 from tvm_fusion.frontend import import_onnx
-from tvm_fusion.passes import ApplyFusionPolicy, FoldBatchNorm, plan_module
+from tvm_fusion.passes import ApplyFusionPolicy, plan_module
 from tvm_fusion.pipeline import pipeline
 from tvm_fusion.report import kernel_calls, kernel_count, op_counts
 
-LOWER = tvm.transform.Sequential([
-    relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),
-    relax.transform.FuseTIR(), relax.transform.DeadCodeElimination(),
-])
+LOWER = tvm.transform.Sequential(
+    [
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseTIR(),
+        relax.transform.DeadCodeElimination(),
+    ]
+)
 
 
 def imported(model):
@@ -31,8 +35,11 @@ def group_sizes(mod, policy=None, target="llvm"):
 
 
 def primitive_functions(mod):
-    return [gv.name_hint for gv, f in mod.functions.items()
-            if isinstance(f, relax.Function) and f.attrs is not None and "Primitive" in f.attrs.keys()]
+    return [
+        gv.name_hint
+        for gv, f in mod.functions.items()
+        if isinstance(f, relax.Function) and f.attrs is not None and "Primitive" in f.attrs.keys()
+    ]
 
 
 def activation_chain(n=6, shape=(1, 64)):
@@ -143,8 +150,14 @@ def test_each_group_is_one_kernel(example):
     fused = ApplyFusionPolicy()(imported(model))
     groups = set(primitive_functions(fused))
     calls = []
-    relax.analysis.post_order_visit(fused["main"], lambda e: calls.append(e.op.name_hint)
-                                    if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.GlobalVar) else None)
+    relax.analysis.post_order_visit(
+        fused["main"],
+        lambda e: (
+            calls.append(e.op.name_hint)
+            if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.GlobalVar)
+            else None
+        ),
+    )
     group_calls = collections.Counter(c for c in calls if c in groups)
     launched = collections.Counter(k for k in kernel_calls(LOWER(fused)) if k in groups)
     assert sum(group_calls.values()) >= 8
@@ -152,7 +165,9 @@ def test_each_group_is_one_kernel(example):
 
 
 def test_policy_round_trips_through_json(tmp_path):
-    policy = FusionPolicy(max_fusion_depth=3, benefit_threshold_us=0.5, roofline=Roofline(10.0, 50.0, 1.0, 1 << 20))
+    policy = FusionPolicy(
+        max_fusion_depth=3, benefit_threshold_us=0.5, roofline=Roofline(10.0, 50.0, 1.0, 1 << 20)
+    )
     path = tmp_path / "policy.json"
     path.write_text(json.dumps(policy.to_dict()))
     again = FusionPolicy.coerce(str(path))

@@ -21,7 +21,11 @@ def count_op(mod, name):
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
             for value in relax.analysis.get_var2val(func).values():
-                if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == name:
+                if (
+                    isinstance(value, relax.Call)
+                    and isinstance(value.op, tvm.ir.Op)
+                    and value.op.name == name
+                ):
                     n += 1
     return n
 
@@ -108,7 +112,13 @@ def test_transformer_qkv_become_one_matmul_and_match_reference():
     assert split_arities(after) == [3]
     # the three bias adds are carried into one add before the split
     assert count_op(after, "relax.add") == count_op(before, "relax.add") - 2
-    assert count_horizontal_groups(after) == {"groups": 1, "branches": 3, "matmul": 1, "conv2d": 0, "elementwise": 0}
+    assert count_horizontal_groups(after) == {
+        "groups": 1,
+        "branches": 3,
+        "matmul": 1,
+        "conv2d": 0,
+        "elementwise": 0,
+    }
 
     feeds = models.random_inputs(model)
     x = feeds["input"]
@@ -316,8 +326,12 @@ def test_elementwise_off_by_default_and_fused_when_enabled():
 
 def test_elementwise_size_rule():
     mod = _elementwise_mod(shape=(64, 64))  # 4096 elements each
-    assert count_op(HorizontalFuse(fuse_elementwise=True, elementwise_max_numel=1024)(mod), "relax.concat") == 0
-    assert count_op(HorizontalFuse(fuse_elementwise=True, elementwise_max_numel=4096)(mod), "relax.concat") == 1
+    assert (
+        count_op(HorizontalFuse(fuse_elementwise=True, elementwise_max_numel=1024)(mod), "relax.concat") == 0
+    )
+    assert (
+        count_op(HorizontalFuse(fuse_elementwise=True, elementwise_max_numel=4096)(mod), "relax.concat") == 1
+    )
 
 
 # -- output form ---------------------------------------------------------------------------------------
@@ -365,8 +379,10 @@ def test_symbolic_batch_matmul_siblings():
     bs = [rand(k, seed=50 + k) for k in (3, 5)]
 
     def body(bb, x):
-        return [bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w))), relax.const(b)))
-                for w, b in zip(ws, bs)]
+        return [
+            bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w))), relax.const(b)))
+            for w, b in zip(ws, bs)
+        ]
 
     after = HorizontalFuse()(build([x], body))
     assert relax.analysis.check_well_formed(after)

@@ -25,6 +25,7 @@ import tvm
 import tvm_ffi
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import GraphSpec, random_models
 from tvm import relax
 from tvm.relax.frontend.onnx import from_onnx
 
@@ -32,15 +33,19 @@ import tvm_fusion
 from tvm_fusion.report import count_layout_transforms
 from tvm_fusion.targets import parse_target
 
-from strategies import GraphSpec, random_models
-
 TARGET = parse_target("llvm")
 
-_COMMON = dict(deadline=None, database=None, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+_COMMON = dict(
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 CI = settings(max_examples=10, derandomize=True, **_COMMON)
 CI_SMALL = settings(max_examples=6, derandomize=True, **_COMMON)  # per-pass: 5 parametrized copies
-NIGHTLY = settings(max_examples=int(os.environ.get("TVM_FUSION_NIGHTLY_EXAMPLES", "200")), derandomize=False, **_COMMON)
+NIGHTLY = settings(
+    max_examples=int(os.environ.get("TVM_FUSION_NIGHTLY_EXAMPLES", "200")), derandomize=False, **_COMMON
+)
 
 # Conv graphs, token/feature graphs and mixed ones, so a 6-10 example CI run sees all three.
 GRAPHS = st.one_of(random_models(focus="conv"), random_models(focus="dense"), random_models())
@@ -92,7 +97,9 @@ def relax_calls(mod: tvm.IRModule, include_primitive: bool = True) -> list[relax
             continue
         if not include_primitive and func.attrs is not None and "Primitive" in func.attrs.keys():
             continue
-        relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.Call) else None)
+        relax.analysis.post_order_visit(
+            func, lambda e: found.append(e) if isinstance(e, relax.Call) else None
+        )
     return found
 
 
@@ -101,8 +108,17 @@ def op_names(mod: tvm.IRModule) -> list[str]:
 
 
 # Relax ops that may stay in a lowered main: VM plumbing, not kernels.
-_PLUMBING = ("relax.call_tir", "relax.call_tir_inplace", "relax.null_value", "relax.builtin.", "relax.memory.",
-             "relax.vm.", "relax.shape_of", "relax.call_pure_packed", "relax.tensor_to_shape")
+_PLUMBING = (
+    "relax.call_tir",
+    "relax.call_tir_inplace",
+    "relax.null_value",
+    "relax.builtin.",
+    "relax.memory.",
+    "relax.vm.",
+    "relax.shape_of",
+    "relax.call_pure_packed",
+    "relax.tensor_to_shape",
+)
 
 
 def non_primfunc_kernels(mod: tvm.IRModule) -> list[str]:
@@ -168,7 +184,9 @@ def check_pass_alone(spec: GraphSpec, name: str, fold_first: bool) -> None:
         after = make_pass()(before)
     assert well_formed(after), f"{name} produced an ill-formed module:\n{after.script()[:4000]}"
     feeds = spec.feeds()
-    assert_close(run_mod(after, spec, feeds), run_mod(reference, spec, feeds), spec, f"{name} vs its input module")
+    assert_close(
+        run_mod(after, spec, feeds), run_mod(reference, spec, feeds), spec, f"{name} vs its input module"
+    )
     assert tvm_ffi.structural_equal(before, reference), f"{name} mutated its input module"
 
 
@@ -257,25 +275,40 @@ def test_nightly_pipeline_structural_invariants(spec):
 
 # -- regression tests for failures the properties found, and one open reproducer ---------------
 def _one_layer_spec(code: str, inputs, outputs, depth: int = 2) -> GraphSpec:
-    return GraphSpec(code=code, seed=0, inputs=tuple(inputs), outputs=tuple(outputs), ops=("reproducer",),
-                     depth=depth, n_bn=0)
+    return GraphSpec(
+        code=code,
+        seed=0,
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        ops=("reproducer",),
+        depth=depth,
+        n_bn=0,
+    )
 
 
 def test_regression_canonicalize_activations_does_not_mutate_input():
     """Found by the properties: the pass used to rewrite the caller's module in place."""
-    spec = _one_layer_spec("x = g.input('input0', (1, 4, 4, 4))\ny = g.relu6(x)\n", [("input0", (1, 4, 4, 4))], ["y"])
+    spec = _one_layer_spec(
+        "x = g.input('input0', (1, 4, 4, 4))\ny = g.relu6(x)\n", [("input0", (1, 4, 4, 4))], ["y"]
+    )
     check_pass_alone(spec, "CanonicalizeActivations", fold_first=True)
 
 
 def test_regression_depthwise_1x1_conv_bias_pipeline_numerics():
     """Found by the properties: the Injective rule inlined the bias into a unit-extent reduction twice."""
-    spec = _one_layer_spec("x = g.input('input0', (1, 3, 4, 4))\ny = g.conv(x, 3, 3, k=1, stride=1, groups=3, bias=True)\n",
-                           [("input0", (1, 3, 4, 4))], ["y"])
+    spec = _one_layer_spec(
+        "x = g.input('input0', (1, 3, 4, 4))\ny = g.conv(x, 3, 3, k=1, stride=1, groups=3, bias=True)\n",
+        [("input0", (1, 3, 4, 4))],
+        ["y"],
+    )
     check_pipeline_numerics(spec)
 
 
-@pytest.mark.xfail(strict=True, reason="RewriteLayout(NCHW8c) ends the blocked region at an H/W transpose: 3 layout "
-                   "transforms for 1 input + 1 output (numerics are right); see .notes/repro_rewrite_layout_1.py")
+@pytest.mark.xfail(
+    strict=True,
+    reason="RewriteLayout(NCHW8c) ends the blocked region at an H/W transpose: 3 layout "
+    "transforms for 1 input + 1 output (numerics are right); see .notes/repro_rewrite_layout_1.py",
+)
 def test_reproducer_transpose_between_conv_regions_layout_budget():
     from tvm_fusion import models
     from tvm_fusion.passes import RewriteLayout
@@ -283,6 +316,8 @@ def test_reproducer_transpose_between_conv_regions_layout_budget():
     g = models.GraphBuilder("transpose_between_convs")
     x = g.input("input0", (1, 8, 4, 4))
     h = g.transpose(g.conv(x, 8, 8, k=1, bias=False), [0, 1, 3, 2])
-    mod = relax.transform.FoldConstant()(tvm_fusion.import_onnx(g.finish([g.conv(h, 8, 8, k=1, bias=False)])).mod)
+    mod = relax.transform.FoldConstant()(
+        tvm_fusion.import_onnx(g.finish([g.conv(h, 8, 8, k=1, bias=False)])).mod
+    )
     out = relax.transform.FoldConstant()(RewriteLayout("llvm", "NCHW8c")(mod))
     assert count_layout_transforms(out) <= 2

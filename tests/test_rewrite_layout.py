@@ -51,7 +51,7 @@ def _prepared(name: str):
     return _fold_bn(import_onnx(model).mod), models.random_inputs(model)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(name: str) -> np.ndarray:
     """The unconverted model's output (onnxruntime: cheaper than compiling the NCHW module)."""
     import onnxruntime as ort
@@ -81,7 +81,9 @@ def _calls(mod, op_name, func_name="main"):
 
 
 def _lt_of_constant(mod) -> int:
-    return sum(isinstance(c.args[0], tvm.ir.expr.Constant) for c in _calls(mod, "relax.layout_transform", None))
+    return sum(
+        isinstance(c.args[0], tvm.ir.expr.Constant) for c in _calls(mod, "relax.layout_transform", None)
+    )
 
 
 def _module(build):
@@ -162,7 +164,9 @@ def test_with_fold_batch_norm_pipeline():
     mod = relax.transform.FoldConstant()(fold_batch_norm.FoldBatchNorm()(import_onnx(model).mod))
     new = RewriteLayout(target=ZNVER3)(mod)
     assert count_layout_transforms(new) == 2
-    np.testing.assert_allclose(_run(new, models.random_inputs(model)), _reference("resnet"), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        _run(new, models.random_inputs(model)), _reference("resnet"), atol=1e-4, rtol=0
+    )
 
 
 @pytest.mark.slow
@@ -172,7 +176,9 @@ def test_standalone_on_raw_import():
     new = RewriteLayout(target=ZNVER3)(import_onnx(model).mod)
     assert all(str(c.attrs.data_layout) == "NCHW8c" for c in _calls(new, "relax.nn.conv2d"))
     assert count_layout_transforms(new) > 2  # in/out of each batch_norm
-    np.testing.assert_allclose(_run(new, models.random_inputs(model)), _reference("mobilenet"), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        _run(new, models.random_inputs(model)), _reference("mobilenet"), atol=1e-4, rtol=0
+    )
 
 
 # -- op coverage, broadcasting, fallback --------------------------------------------------------

@@ -139,7 +139,13 @@ def test_dense_bias_gelu_epilogue_runs_inside_the_tile():
 # -- conv2d -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "cin,cout,k,stride,groups,size",
-    [(8, 16, 3, 1, 1, 12), (16, 24, 1, 1, 1, 10), (8, 16, 3, 2, 1, 13), (16, 16, 3, 1, 16, 12), (12, 12, 3, 2, 12, 9)],
+    [
+        (8, 16, 3, 1, 1, 12),
+        (16, 24, 1, 1, 1, 10),
+        (8, 16, 3, 2, 1, 13),
+        (16, 16, 3, 1, 16, 12),
+        (12, 12, 3, 2, 12, 9),
+    ],
     ids=["3x3", "1x1", "3x3s2", "depthwise", "depthwise_s2"],
 )
 def test_conv2d_nchw_bias_relu(cin, cout, k, stride, groups, size):
@@ -159,7 +165,9 @@ def _packed_conv_weight(sched):
     return [tuple(int(d) for d in p.shape) for p in func.params if len(p.shape) == 5]
 
 
-@pytest.mark.parametrize("cin,cout,size,k", [(32, 32, 16, 3), (64, 64, 56, 3)], ids=["3x3_small", "3x3_resnet"])
+@pytest.mark.parametrize(
+    "cin,cout,size,k", [(32, 32, 16, 3), (64, 64, 56, 3)], ids=["3x3_small", "3x3_resnet"]
+)
 def test_nchw_conv_vectorizes_output_channels(cin, cout, size, k):
     """NCHW 3x3 convs put SIMD lanes on output channels (packed weight vectors, broadcast
     inputs), not on W: along W the input window slides (misaligned loads) and 8 broadcast weights
@@ -189,7 +197,9 @@ def test_pointwise_conv_without_epilogue_keeps_its_plane():
     _check(mod, [_rand(1, 24, 56, 56)], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("size,residual", [(10, True), (56, False)], ids=["10x10_residual", "56x56_mobilenet"])
+@pytest.mark.parametrize(
+    "size,residual", [(10, True), (56, False)], ids=["10x10_residual", "56x56_mobilenet"]
+)
 def test_pointwise_conv_is_a_gemm_over_the_flattened_plane(size, residual):
     """A 1x1 stride-1 conv is a GEMM whose N axis is the H*W plane: the contraction and its
     epilogue (bias, clip, residual add) iterate one hw axis, the SIMD lanes walk it contiguously.
@@ -216,7 +226,9 @@ def test_pointwise_conv_is_a_gemm_over_the_flattened_plane(size, residual):
     from tvm import s_tir
 
     sch = s_tir.Schedule(func)
-    doms = {n: [int(it.dom.extent) for it in sch.get(sch.get_sblock(n)).iter_vars] for n in _block_names(func)}
+    doms = {
+        n: [int(it.dom.extent) for it in sch.get(sch.get_sblock(n)).iter_vars] for n in _block_names(func)
+    }
     assert size * size in doms["conv2d_nchw_update"], doms  # one plane iter, not (H, W)
     assert all(size not in d for n, d in doms.items() if n != "root"), doms  # epilogue merged too
 
@@ -240,7 +252,9 @@ def test_conv2d_nhwc_residual_add():
     w = _rand(3, 3, 8, 8, scale=0.3)  # HWIO
 
     def body(bb, x):
-        y = bb.emit(relax.op.nn.conv2d(x, relax.const(w), padding=1, data_layout="NHWC", kernel_layout="HWIO"))
+        y = bb.emit(
+            relax.op.nn.conv2d(x, relax.const(w), padding=1, data_layout="NHWC", kernel_layout="HWIO")
+        )
         return relax.op.add(y, x)
 
     _check(_module({"x": (1, 6, 6, 8)}, body), [_rand(1, 6, 6, 8)], rtol=1e-4, atol=1e-4)
@@ -252,7 +266,9 @@ def _conv_nchwc(data, kernel, stride=1, pad=1):
     occ, _, kh, kw, _, ob = (int(d) for d in kernel.shape)
     oh, ow = (h + 2 * pad - kh) // stride + 1, (w + 2 * pad - kw) // stride + 1
     padded = topi.nn.pad(data, [0, 0, pad, pad, 0], [0, 0, pad, pad, 0], name="data_pad")
-    ric, rkh, rkw, rib = (te.reduce_axis((0, e), name=nm) for e, nm in ((icc, "ic"), (kh, "kh"), (kw, "kw"), (ib, "ib")))
+    ric, rkh, rkw, rib = (
+        te.reduce_axis((0, e), name=nm) for e, nm in ((icc, "ic"), (kh, "kh"), (kw, "kw"), (ib, "ib"))
+    )
     return te.compute(
         (n, occ, oh, ow, ob),
         lambda b, oc, y, x, o: te.sum(
@@ -290,12 +306,16 @@ def test_contraction_rule_recognises_nchwc_by_structure():
 
 # -- reductions, pooling, elementwise ---------------------------------------------------------
 def test_softmax():
-    _check(_module({"x": (2, 4, 16, 24)}, lambda bb, x: relax.op.nn.softmax(x, axis=-1)), [_rand(2, 4, 16, 24)])
+    _check(
+        _module({"x": (2, 4, 16, 24)}, lambda bb, x: relax.op.nn.softmax(x, axis=-1)), [_rand(2, 4, 16, 24)]
+    )
 
 
 def test_layer_norm():
     g, b = _rand(48), _rand(48)
-    mod = _module({"x": (1, 10, 48)}, lambda bb, x: relax.op.nn.layer_norm(x, relax.const(g), relax.const(b), axes=[-1]))
+    mod = _module(
+        {"x": (1, 10, 48)}, lambda bb, x: relax.op.nn.layer_norm(x, relax.const(g), relax.const(b), axes=[-1])
+    )
     _check(mod, [_rand(1, 10, 48)], rtol=1e-4, atol=1e-4)
 
 
@@ -334,7 +354,9 @@ def test_elementwise_chain():
     def body(bb, x, y):
         return relax.op.nn.relu(relax.op.multiply(relax.op.add(x, y), relax.const(np.float32(0.5))))
 
-    _check(_module({"x": (2, 3, 10, 16), "y": (2, 3, 10, 16)}, body), [_rand(2, 3, 10, 16), _rand(2, 3, 10, 16)])
+    _check(
+        _module({"x": (2, 3, 10, 16), "y": (2, 3, 10, 16)}, body), [_rand(2, 3, 10, 16), _rand(2, 3, 10, 16)]
+    )
 
 
 def test_transpose_reshape():
@@ -350,7 +372,9 @@ def test_transformer_block_matches_onnxruntime():
 
     model = models.transformer_block(seq=8, hidden=32, heads=2)
     feeds = models.random_inputs(model)
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )[0]
     from tvm.relax.frontend.onnx import from_onnx
 
     sched = _scheduled(from_onnx(model, keep_params_in_input=False))
@@ -390,7 +414,13 @@ def test_fallback_parallelizes_a_reduction_without_splitting_it():
 
 def test_default_rules_per_target():
     cuda = default_rules({"kind": "cuda", "arch": "sm_80"})
-    assert [type(r) for r in cuda] == [dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction, dl.gpu.GeneralReduction, dl.gpu.Fallback]
+    assert [type(r) for r in cuda] == [
+        dl.gpu.Matmul,
+        dl.gpu.GEMV,
+        dl.gpu.Reduction,
+        dl.gpu.GeneralReduction,
+        dl.gpu.Fallback,
+    ]
     cpu = default_rules(ZNVER3)
     assert [type(r) for r in cpu] == [WindowReduction, Contraction, RowReduction, Injective, ParallelFallback]
 
@@ -414,7 +444,9 @@ def _reduction_loop_layout(func, block):
     blk = sch.get_sblock(block)
     stmt, realize = sch.get(blk), _get_sblockrealize(sch, blk)
     r_vars = [
-        v for it, val in zip(stmt.iter_vars, realize.iter_values) if it.iter_type == tirx.IterVar.CommReduce
+        v
+        for it, val in zip(stmt.iter_vars, realize.iter_values)
+        if it.iter_type == tirx.IterVar.CommReduce
         for v in tirx.analysis.undefined_vars(val)
     ]
     out = []
@@ -438,7 +470,9 @@ def test_long_gemm_reduction_is_cache_blocked(k, blocked):
     w, b = _rand(k, 512, scale=0.05), _rand(512)
 
     def body(bb, x):
-        return relax.op.nn.relu(bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w))), relax.const(b))))
+        return relax.op.nn.relu(
+            bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w))), relax.const(b)))
+        )
 
     x = _rand(128, k)
     sched = _check(_module({"x": (128, k)}, body), [x], rtol=1e-4, atol=1e-4)
@@ -467,12 +501,15 @@ def test_conv2d_256_input_channels_is_cache_blocked():
         y = bb.emit(relax.op.add(bb.emit(relax.op.add(y, relax.const(b))), relax.const(res)))
         return relax.op.nn.relu(y)
 
-    sched = _check(_module({"x": (1, cin, size, size)}, body), [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4)
+    sched = _check(
+        _module({"x": (1, cin, size, size)}, body), [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4
+    )
     (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
     layout = _reduction_loop_layout(func, _update_block(func))
     # the input-channel chunk loop sits between the parallel loop and the spatial tile loops; the
     # in-chunk channels and the 3x3 taps are inside them
     assert layout.startswith("SR") and layout.count("R") == 4 and "SRRR" in layout[2:], layout
+
 
 # -- reduction prologue + contraction (layer_norm / softmax fused in front of a GEMM) ---------
 def _policy_fused(mod, policy=None):
@@ -539,7 +576,9 @@ def test_layer_norm_gemm_gelu_prologue_fusion():
     import onnxruntime as ort
 
     feeds = models.random_inputs(model)
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )[0]
     with ZNVER3:
         sched = apply_default_schedules(ZNVER3)(fused)
     (packed,) = [f for n, f in _prim_funcs(sched).items() if "layer_norm" in n and "gelu" in n]
@@ -566,7 +605,7 @@ def test_residual_add_layer_norm_gemm(width):
     with ZNVER3:
         sched = apply_default_schedules(ZNVER3)(fused)
     (func,) = [f for n, f in _prim_funcs(sched).items() if "layer_norm" in n]
-    assert tirx.ForKind.PARALLEL in loop_kinds(func) and 'matmul_update' in func.script()
+    assert tirx.ForKind.PARALLEL in loop_kinds(func) and "matmul_update" in func.script()
     np.testing.assert_allclose(_run(sched, feeds), expected, rtol=1e-5, atol=1e-5)
 
 

@@ -9,7 +9,9 @@ def _threads_in_child(env_overrides):
     env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
     env.update(env_overrides)
     code = "import os, tvm_fusion; print(os.environ['TVM_NUM_THREADS'])"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def test_default_is_all_cores():

@@ -21,7 +21,6 @@ import tvm_ffi
 from tvm_fusion import frontend, models, targets, tuning
 from tvm_fusion.errors import TargetError, TuningRecordError, TvmFusionError
 
-
 # -- helpers ------------------------------------------------------------------------------------
 
 
@@ -90,7 +89,11 @@ def _fabricate(mod, target, log_root, name, model_hash, run_us=10.0):
         ).clone()
         workload = ms.database.Workload(task.dispatched[0])
         rset.workloads.append(workload)
-        rset.manifest["tasks"][tuning._shash(task.dispatched[0])] = {"name": task.task_name, "budget": 0, "trials": 0}
+        rset.manifest["tasks"][tuning._shash(task.dispatched[0])] = {
+            "name": task.task_name,
+            "budget": 0,
+            "trials": 0,
+        }
         args = ms.arg_info.ArgInfo.from_prim_func(task.dispatched[0]["main"])
         for sch in ctx.generate_design_space():
             rset.records.append(ms.database.TuningRecord(sch.trace, workload, [run_us * 1e-6], target, args))
@@ -237,24 +240,32 @@ def test_records_not_faster_than_default_are_not_applied(ms_ready, cpu, tmp_path
         assert "1 of 1 tuned functions not faster than the default schedule: not applied" in str(report)
         assert "not applied" in str(built.records_note)
     # without the check everything applies
-    db_all, report_all = tuning.load_records(tmp_path, imported.name, imported.model_hash, cpu, only_faster=False)
+    db_all, report_all = tuning.load_records(
+        tmp_path, imported.name, imported.model_hash, cpu, only_faster=False
+    )
     assert db_all is not None and report_all.num_applied == 1
     inputs = models.random_inputs(model)
-    np.testing.assert_allclose(tuning.run_executable(built.executable, inputs), _ort(model, inputs), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        tuning.run_executable(built.executable, inputs), _ort(model, inputs), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_default_baseline_is_the_kernel_the_build_runs(cpu):
     """The baseline timed for each task has the build's pre-packed weight layout (compile-time
     constant), not the original one with a packing copy inside the kernel."""
-    import tvm_fusion
     from tvm.s_tir import meta_schedule as ms
+
+    import tvm_fusion
 
     model = _tiny_model((16, 64, 16))
     imported, mod = _fused(model, cpu)
     baselines = tuning.default_schedule_modules(mod, cpu)
     assert len(baselines) == 2
     timed = {
-        tuple(tuple(int(d) for d in a.shape) for a in ms.arg_info.ArgInfo.from_entry_func(m, remove_preproc=True))
+        tuple(
+            tuple(int(d) for d in a.shape)
+            for a in ms.arg_info.ArgInfo.from_entry_func(m, remove_preproc=True)
+        )
         for m in baselines.values()
     }
     lowered = tvm_fusion.build(model, "llvm", tuning_logs=None).lowered
@@ -267,14 +278,18 @@ def test_default_baseline_is_the_kernel_the_build_runs(cpu):
     # the 16->64 layer's (16, 64) weight is packed into column panels, (64 / panel, 16, panel),
     # whatever the panel width this CPU's vector length gives
     packed = [sig[1] for sig in timed if sig[0] == (8, 16)]
-    assert len(packed) == 1 and len(packed[0]) == 3 and packed[0][1] == 16 and packed[0][0] * packed[0][2] == 64
+    assert (
+        len(packed) == 1 and len(packed[0]) == 3 and packed[0][1] == 16 and packed[0][0] * packed[0][2] == 64
+    )
 
 
 def test_records_for_another_model_are_reported_and_ignored(fabricated, cpu):
     root, imported, mod, _ = fabricated
     db, report = tuning.load_records(root, imported.name, "0123456789abcdef", cpu)
     assert db is None and report.status == "mismatch"
-    assert f"made for model hash {imported.model_hash}, this model is 0123456789abcdef: ignored" in str(report)
+    assert f"made for model hash {imported.model_hash}, this model is 0123456789abcdef: ignored" in str(
+        report
+    )
     with pytest.raises(TuningRecordError, match="made for model hash"):
         tuning.load_records(root, imported.name, "0123456789abcdef", cpu, strict=True)
 
@@ -301,7 +316,9 @@ def test_records_for_other_target_key_are_mentioned(fabricated, tmp_path):
     other = targets.parse_target({"kind": "llvm", "mcpu": "znver3", "num-cores": 16})
     db, report = tuning.load_records(root, imported.name, imported.model_hash, other)
     assert db is None and report.status == "missing"
-    assert f"records exist for other targets: {targets.target_key(targets.parse_target('llvm'))}" in str(report)
+    assert f"records exist for other targets: {targets.target_key(targets.parse_target('llvm'))}" in str(
+        report
+    )
 
 
 @pytest.mark.parametrize("damage", ["cut_mid_line", "drop_last_line", "garbage_manifest", "no_manifest"])
@@ -365,8 +382,15 @@ def test_tune_model_records_are_used_by_the_real_build(ms_ready, cpu, tmp_path):
     model = models.mlp_bn()
     imported = frontend.import_onnx(model, name="mlp_bn")
     res = tuning.tune_model(
-        imported, cpu, trials=4, log_root=tmp_path, policy=None, options={"layout": True},
-        num_trials_per_iter=2, population_size=32, progress=False,
+        imported,
+        cpu,
+        trials=4,
+        log_root=tmp_path,
+        policy=None,
+        options={"layout": True},
+        num_trials_per_iter=2,
+        population_size=32,
+        progress=False,
     )
     assert [t.trials for t in res.tasks] == [2, 2] and res.new_trials == 4
     text = str(res)
@@ -374,7 +398,9 @@ def test_tune_model_records_are_used_by_the_real_build(ms_ready, cpu, tmp_path):
     manifest = json.loads((res.record_dir / tuning.MANIFEST_FILE).read_text())
     for entry in manifest["tasks"].values():
         assert entry["default_us"] > 0 and entry["tuned_us"] > 0 and entry["verified_trials"] == 2
-    winners = sum(1 for e in manifest["tasks"].values() if e["tuned_us"] < e["default_us"] * (1 - tuning.MIN_GAIN))
+    winners = sum(
+        1 for e in manifest["tasks"].values() if e["tuned_us"] < e["default_us"] * (1 - tuning.MIN_GAIN)
+    )
     assert sum(1 for t in res.tasks if t.applied) == winners
 
     inputs = models.random_inputs(model)
@@ -399,7 +425,9 @@ def test_tune_model_records_are_used_by_the_real_build(ms_ready, cpu, tmp_path):
 
     # Same budget again: nothing is measured, nothing re-timed, the record files stay as they were.
     before = _files(res.record_dir)
-    again = tuning.tune_model(imported, cpu, trials=4, log_root=tmp_path, options={"layout": True}, progress=False)
+    again = tuning.tune_model(
+        imported, cpu, trials=4, log_root=tmp_path, options={"layout": True}, progress=False
+    )
     assert again.new_trials == 0 and all(t.skipped for t in again.tasks)
     after = _files(res.record_dir)
     assert after[tuning.RECORD_FILE] == before[tuning.RECORD_FILE]
@@ -467,8 +495,14 @@ def test_incompatible_records_are_moved_aside_when_tuning(fabricated, cpu, tmp_p
     messages = []
     # trials=0: only the bookkeeping runs, so this needs no measuring
     res = tuning.tune(
-        mod, cpu, model_name=imported.name, model_hash="feedfacefeedface", trials=0, log_root=root,
-        progress=False, log=messages.append,
+        mod,
+        cpu,
+        model_name=imported.name,
+        model_hash="feedfacefeedface",
+        trials=0,
+        log_root=root,
+        progress=False,
+        log=messages.append,
     )
     assert res.new_trials == 0
     assert any("made for model hash" in m and "moved to" in m for m in messages)
@@ -487,8 +521,16 @@ def test_rule_plans_are_tuning_candidates(ms_ready, cpu, tmp_path):
     imported, mod = _fused(model, cpu)
     (task,) = tuning.extract_tasks(mod, cpu)
     res = tuning.tune(
-        mod, cpu, model_name=imported.name, model_hash=imported.model_hash, trials=4, log_root=tmp_path,
-        num_trials_per_iter=2, population_size=32, progress=False, check_default=False,
+        mod,
+        cpu,
+        model_name=imported.name,
+        model_hash=imported.model_hash,
+        trials=4,
+        log_root=tmp_path,
+        num_trials_per_iter=2,
+        population_size=32,
+        progress=False,
+        check_default=False,
     )
     rset = tuning.read_record_set(res.record_dir)
     rule = [r for r in rset.records if not tuning._is_search_record(r)]
@@ -503,7 +545,9 @@ def test_rule_plans_are_tuning_candidates(ms_ready, cpu, tmp_path):
     (kernel,) = [f for _, f in built.lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     assert (64, 48) not in [tuple(int(d) for d in p.shape) for p in kernel.params]  # weight pre-packed
     inputs = models.random_inputs(model)
-    np.testing.assert_allclose(tuning.run_executable(built.executable, inputs), _ort(model, inputs), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        tuning.run_executable(built.executable, inputs), _ort(model, inputs), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_verify_again_retimes_stored_verdicts(fabricated, cpu, tmp_path):
@@ -513,7 +557,9 @@ def test_verify_again_retimes_stored_verdicts(fabricated, cpu, tmp_path):
     mod = fabricated[2]
     trials = len((path / tuning.RECORD_FILE).read_text().splitlines())
     _set_task_fields(path, default_us=5e6, tuned_us=4e6, verified_trials=trials)
-    kw = dict(model_name=imported.name, model_hash=imported.model_hash, trials=0, log_root=root, progress=False)
+    kw = dict(
+        model_name=imported.name, model_hash=imported.model_hash, trials=0, log_root=root, progress=False
+    )
 
     assert tuning.tune(mod, cpu, **kw).new_trials == 0
     (entry,) = json.loads((path / tuning.MANIFEST_FILE).read_text())["tasks"].values()

@@ -35,13 +35,20 @@ def as_imported(model, name: str | None = None) -> ImportedModel:
     if isinstance(model, ImportedModel):
         return model
     if isinstance(model, tvm.IRModule):
-        return ImportedModel(mod=model, name=name or "module", model_hash=_module_hash(model),
-                             inputs=_relax_inputs(model), outputs=[])
+        return ImportedModel(
+            mod=model,
+            name=name or "module",
+            model_hash=_module_hash(model),
+            inputs=_relax_inputs(model),
+            outputs=[],
+        )
     if isinstance(model, str) and model in models.EXAMPLES and not Path(model).exists():
         return import_onnx(models.example(model), name or model)  # a bundled example, by name
     if isinstance(model, (str, os.PathLike, onnx.ModelProto)):
         return import_onnx(model, name)
-    raise TvmFusionError(f"cannot build from {type(model).__name__}: pass an .onnx path, an onnx.ModelProto or a Relax IRModule")
+    raise TvmFusionError(
+        f"cannot build from {type(model).__name__}: pass an .onnx path, an onnx.ModelProto or a Relax IRModule"
+    )
 
 
 def optimize(mod: tvm.IRModule, target="llvm", policy=None, **options) -> tvm.IRModule:
@@ -77,9 +84,14 @@ class BuildResult:
             "tvm_fusion_version": __version__,
             "entry": "main",
             "buckets": self.buckets,
-            "summary": {"ops": self.summary.ops, "kernels": self.summary.kernels,
-                        "fused_groups": self.summary.fused_groups, "layout_transforms": self.summary.layout_transforms,
-                        "tuned_kernels": self.tuned_kernels, "default_kernels": self.default_kernels},
+            "summary": {
+                "ops": self.summary.ops,
+                "kernels": self.summary.kernels,
+                "fused_groups": self.summary.fused_groups,
+                "layout_transforms": self.summary.layout_transforms,
+                "tuned_kernels": self.tuned_kernels,
+                "default_kernels": self.default_kernels,
+            },
         }
 
     def export(self, path: str | os.PathLike) -> Path:
@@ -87,18 +99,29 @@ class BuildResult:
         return export_library(self.executable, path, self.metadata())
 
     def describe(self) -> str:
-        lines = [f"model {self.model.name} (hash {self.model.model_hash}) for {self.target.kind.name} "
-                 f"[{json.dumps(target_json(self.target), separators=(',', ':'))}]",
-                 "  " + self.summary.format(),
-                 f"  schedules: {self.tuned_kernels} kernel functions tuned, {self.default_kernels} default (dlight)"]
+        lines = [
+            f"model {self.model.name} (hash {self.model.model_hash}) for {self.target.kind.name} "
+            f"[{json.dumps(target_json(self.target), separators=(',', ':'))}]",
+            "  " + self.summary.format(),
+            f"  schedules: {self.tuned_kernels} kernel functions tuned, {self.default_kernels} default (dlight)",
+        ]
         if self.records_note:
             lines.append("  tuning records: " + self.records_note)
         lines.append(f"  built in {self.build_seconds:.1f} s")
         return "\n".join(lines)
 
 
-def build(model, target="llvm", policy=None, *, name: str | None = None, tuning_logs: str | os.PathLike | None = DEFAULT_TUNING_LOGS,
-          database=None, shape_buckets: list[dict] | None = None, **options) -> BuildResult:
+def build(
+    model,
+    target="llvm",
+    policy=None,
+    *,
+    name: str | None = None,
+    tuning_logs: str | os.PathLike | None = DEFAULT_TUNING_LOGS,
+    database=None,
+    shape_buckets: list[dict] | None = None,
+    **options,
+) -> BuildResult:
     """Import (if needed), optimise and compile ``model`` for ``target``.
 
     Tuned records are looked up under ``tuning_logs/<model>/<target-key>/`` unless
@@ -130,18 +153,32 @@ def build(model, target="llvm", policy=None, *, name: str | None = None, tuning_
             except TvmFusionError:
                 raise
             except Exception as err:
-                raise TvmFusionError(f"pass {p.info.name} failed on {imported.name}: {last_line(err)}") from err
+                raise TvmFusionError(
+                    f"pass {p.info.name} failed on {imported.name}: {last_line(err)}"
+                ) from err
             if p.info.name == "MetaScheduleApplyDatabase":
                 tuned = _scheduled_count(mod)
     scheduled = _scheduled_count(mod)
     try:
         executable = tvm.compile(mod, target=target)
     except Exception as err:
-        raise TvmFusionError(f"compiling {imported.name} for {target.kind.name} failed: {last_line(err)}") from err
+        raise TvmFusionError(
+            f"compiling {imported.name} for {target.kind.name} failed: {last_line(err)}"
+        ) from err
     summary = summarize(imported.mod, mod)
-    return BuildResult(executable, target, imported, mod, summary, tuned_kernels=tuned,
-                       default_kernels=scheduled - tuned, records_note=note, records_status=status,
-                       build_seconds=time.perf_counter() - start, buckets=buckets)
+    return BuildResult(
+        executable,
+        target,
+        imported,
+        mod,
+        summary,
+        tuned_kernels=tuned,
+        default_kernels=scheduled - tuned,
+        records_note=note,
+        records_status=status,
+        build_seconds=time.perf_counter() - start,
+        buckets=buckets,
+    )
 
 
 def _find_records(tuning_logs, imported: ImportedModel, target):
@@ -153,9 +190,14 @@ def _find_records(tuning_logs, imported: ImportedModel, target):
 
 
 def _scheduled_count(mod: tvm.IRModule) -> int:
-    return sum(1 for _, f in mod.functions.items()
-               if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None and "tirx.is_scheduled" in f.attrs
-               and bool(f.attrs["tirx.is_scheduled"]))
+    return sum(
+        1
+        for _, f in mod.functions.items()
+        if isinstance(f, tvm.tirx.PrimFunc)
+        and f.attrs is not None
+        and "tirx.is_scheduled" in f.attrs
+        and bool(f.attrs["tirx.is_scheduled"])
+    )
 
 
 # -- export / load ----------------------------------------------------------------------------
@@ -206,7 +248,9 @@ class LoadedModel:
         except Exception as err:
             raise TvmFusionError(f"{self.path}: cannot load module: {last_line(err)}") from None
         self.vm = relax.VirtualMachine(self.lib, self.device)
-        self.inputs = [TensorSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in self.metadata.get("inputs", [])]
+        self.inputs = [
+            TensorSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in self.metadata.get("inputs", [])
+        ]
         self.buckets = self.metadata.get("buckets", [])
         self.last_function: str | None = None  # which entry the last call ran (a bucket or "main")
 
@@ -220,10 +264,15 @@ class LoadedModel:
                 raise InputError(f"inputs do not match the model: missing {missing}, unexpected {extra}")
             args = [kwargs[s.name] for s in self.inputs]
         if self.inputs and len(args) != len(self.inputs):
-            raise InputError(f"model takes {len(self.inputs)} input(s) {[s.name for s in self.inputs]}, got {len(args)}")
+            raise InputError(
+                f"model takes {len(self.inputs)} input(s) {[s.name for s in self.inputs]}, got {len(args)}"
+            )
         for spec, value in zip(self.inputs, args):
             check_input(spec, value)
-        return [tvm.runtime.tensor(np.ascontiguousarray(a), self.device) if isinstance(a, np.ndarray) else a for a in args]
+        return [
+            tvm.runtime.tensor(np.ascontiguousarray(a), self.device) if isinstance(a, np.ndarray) else a
+            for a in args
+        ]
 
     def entry_for(self, arrays) -> str:
         from .shape_cache import select_function
@@ -246,7 +295,9 @@ def check_input(spec: TensorSpec, value) -> None:
     dtype = str(value.dtype)
     if dtype != spec.dtype:
         raise InputError(f"input {spec.name!r}: dtype {dtype}, the model expects {spec.dtype}")
-    if len(shape) != len(spec.shape) or any(isinstance(e, int) and e > 0 and e != g for e, g in zip(spec.shape, shape)):
+    if len(shape) != len(spec.shape) or any(
+        isinstance(e, int) and e > 0 and e != g for e, g in zip(spec.shape, shape)
+    ):
         raise InputError(f"input {spec.name!r}: shape {list(shape)}, the model expects {list(spec.shape)}")
 
 
@@ -275,7 +326,6 @@ def _relax_inputs(mod: tvm.IRModule) -> list[TensorSpec]:
 
 def _module_hash(mod: tvm.IRModule) -> str:
     return f"{tvm_ffi.structural_hash(mod) & 0xFFFFFFFFFFFFFFFF:016x}"
-
 
 
 __all__ = ["BuildResult", "LoadedModel", "TargetError", "build", "export_library", "load", "optimize"]

@@ -15,8 +15,8 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import tvm
@@ -81,15 +81,27 @@ def ort_variant(model, feeds, threads: int) -> _Variant:
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return _Variant("onnxruntime", lambda: session.run(None, feeds), session.run(None, feeds)[0],
-                    note=f"{threads} threads, ORT_ENABLE_ALL")
+    return _Variant(
+        "onnxruntime",
+        lambda: session.run(None, feeds),
+        session.run(None, feeds)[0],
+        note=f"{threads} threads, ORT_ENABLE_ALL",
+    )
 
 
 def vm_variant(label, executable, lowered, feeds, note="") -> _Variant:
     vm = relax.VirtualMachine(executable, tvm.cpu())
     args = [tvm.runtime.tensor(v) for v in feeds.values()]
-    return _Variant(label, lambda: vm["main"](*args), vm["main"](*args).numpy(), kernel_count(lowered),
-                    estimated_bytes(lowered), note, vm, args)
+    return _Variant(
+        label,
+        lambda: vm["main"](*args),
+        vm["main"](*args).numpy(),
+        kernel_count(lowered),
+        estimated_bytes(lowered),
+        note,
+        vm,
+        args,
+    )
 
 
 def stock_build(model, target):
@@ -100,9 +112,19 @@ def stock_build(model, target):
     return tvm.compile(mod, target=target), mod
 
 
-def benchmark_model(name: str, model, target, *, runs: int, warmup: int, tuning_logs, profile_top: int = 5,
-                    variants=("onnxruntime", "stock", "untuned", "tuned", "unfused"), rounds: int = 3,
-                    log=print) -> list[Row]:
+def benchmark_model(
+    name: str,
+    model,
+    target,
+    *,
+    runs: int,
+    warmup: int,
+    tuning_logs,
+    profile_top: int = 5,
+    variants=("onnxruntime", "stock", "untuned", "tuned", "unfused"),
+    rounds: int = 3,
+    log=print,
+) -> list[Row]:
     """Build every variant, check it against ONNX Runtime, then time them in interleaved rounds.
 
     Interleaving (a block of runs of each variant, ``rounds`` times over) makes a noisy, shared
@@ -114,39 +136,86 @@ def benchmark_model(name: str, model, target, *, runs: int, warmup: int, tuning_
     built = [ort] if "onnxruntime" in variants else []
     skipped: list[Row] = []
     if "stock" in variants:
-        built.append(vm_variant("stock TVM (zero pipeline)", *stock_build(model, target), feeds, "FuseOps+FuseTIR, no schedules"))
+        built.append(
+            vm_variant(
+                "stock TVM (zero pipeline)",
+                *stock_build(model, target),
+                feeds,
+                "FuseOps+FuseTIR, no schedules",
+            )
+        )
     if "untuned" in variants:
         result = build(model, target, name=name, tuning_logs=None)
-        built.append(vm_variant("tvm_fusion untuned", result.executable, result.lowered, feeds, "default schedules"))
+        built.append(
+            vm_variant("tvm_fusion untuned", result.executable, result.lowered, feeds, "default schedules")
+        )
     if "tuned" in variants:
         result = build(model, target, name=name, tuning_logs=tuning_logs)
         if result.records_status == "ok":  # timed even when no record beat its default schedule
-            built.append(vm_variant("tvm_fusion tuned", result.executable, result.lowered, feeds,
-                                    f"{result.tuned_kernels} of {result.tuned_kernels + result.default_kernels} kernel "
-                                    f"functions from tuning_logs/{name}/{target_key(target)} (the rest: defaults won)"))
+            built.append(
+                vm_variant(
+                    "tvm_fusion tuned",
+                    result.executable,
+                    result.lowered,
+                    feeds,
+                    f"{result.tuned_kernels} of {result.tuned_kernels + result.default_kernels} kernel "
+                    f"functions from tuning_logs/{name}/{target_key(target)} (the rest: defaults won)",
+                )
+            )
         else:
-            skipped.append(Row(name, "tvm_fusion tuned", None, None, None, None, None,
-                               f"no applicable records: {result.records_note}"))
+            skipped.append(
+                Row(
+                    name,
+                    "tvm_fusion tuned",
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    f"no applicable records: {result.records_note}",
+                )
+            )
             log(f"  tuned: skipped ({result.records_note})")
     if "unfused" in variants:
         result = build(model, target, name=name, tuning_logs=None, fusion=False)
-        built.append(vm_variant("unfused (tvm_fusion, fusion off)", result.executable, result.lowered, feeds, "one kernel per op"))
+        built.append(
+            vm_variant(
+                "unfused (tvm_fusion, fusion off)",
+                result.executable,
+                result.lowered,
+                feeds,
+                "one kernel per op",
+            )
+        )
 
     per_round = max(1, runs // rounds)
     for r in range(rounds):
         # Alternate the order each round, and pause between blocks: ORT's worker threads keep
         # spinning for a while after a run and would slow whichever variant comes next.
-        for variant in (built if r % 2 == 0 else built[::-1]):
+        for variant in built if r % 2 == 0 else built[::-1]:
             time.sleep(0.2)
             variant.times += _timings_ms(variant.run, per_round, warmup if r == 0 else 1)
 
     rows = []
     for variant in built:
-        top = kernel_times(variant.vm, variant.args, repeat=3)[:profile_top] if variant.vm is not None and profile_top \
-            and variant.label.startswith("tvm_fusion") else []
+        top = (
+            kernel_times(variant.vm, variant.args, repeat=3)[:profile_top]
+            if variant.vm is not None and profile_top and variant.label.startswith("tvm_fusion")
+            else []
+        )
         err = float(np.max(np.abs(np.asarray(variant.output) - ort.output)))
-        rows.append(Row(name, variant.label, *_stats(variant.times), variant.kernels, variant.bytes_moved, err,
-                        variant.note, top_kernels=top))
+        rows.append(
+            Row(
+                name,
+                variant.label,
+                *_stats(variant.times),
+                variant.kernels,
+                variant.bytes_moved,
+                err,
+                variant.note,
+                top_kernels=top,
+            )
+        )
         log(f"  {variant.label}: {rows[-1].median_ms:.3f} ms, max abs err {err:.2g}")
     rows += skipped
     ort_ms = rows[0].median_ms if rows and rows[0].variant == "onnxruntime" else None
@@ -166,15 +235,31 @@ def model_roofline_ms(model, roofline: Roofline, target) -> tuple[float, float, 
 
 
 SUITES = {
-    "full": [("resnet_block_net", models.resnet_block_net), ("mobilenet_block", models.mobilenet_block),
-             ("resnet18", models.resnet18), ("bert_layer", models.bert_layer)],
-    "cpu": [("mobilenet_block", models.mobilenet_block), ("resnet18", models.resnet18), ("bert_layer", models.bert_layer)],
+    "full": [
+        ("resnet_block_net", models.resnet_block_net),
+        ("mobilenet_block", models.mobilenet_block),
+        ("resnet18", models.resnet18),
+        ("bert_layer", models.bert_layer),
+    ],
+    "cpu": [
+        ("mobilenet_block", models.mobilenet_block),
+        ("resnet18", models.resnet18),
+        ("bert_layer", models.bert_layer),
+    ],
     "quick": [("resnet_block_net", models.resnet_block_net), ("transformer_block", models.transformer_block)],
 }
 
 
-def run(suite: str = "full", out_dir: str | Path = "docs", runs: int = 30, warmup: int = 5,
-        tuning_logs: str | Path = "tuning_logs", target=None, log=print, rounds: int = 5) -> Path:
+def run(
+    suite: str = "full",
+    out_dir: str | Path = "docs",
+    runs: int = 30,
+    warmup: int = 5,
+    tuning_logs: str | Path = "tuning_logs",
+    target=None,
+    log=print,
+    rounds: int = 5,
+) -> Path:
     target = target or llvm_target()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -186,12 +271,15 @@ def run(suite: str = "full", out_dir: str | Path = "docs", runs: int = 30, warmu
         log(f"== {name}")
         model = make()
         limits[name] = model_roofline_ms(model, roof, target)
-        all_rows += benchmark_model(name, model, target, runs=runs, warmup=warmup, tuning_logs=tuning_logs, log=log,
-                                    rounds=rounds)
+        all_rows += benchmark_model(
+            name, model, target, runs=runs, warmup=warmup, tuning_logs=tuning_logs, log=log, rounds=rounds
+        )
     report = format_markdown(all_rows, limits, roof, target, runs, warmup, rounds)
     md_path = out_dir / ("benchmarks.md" if suite == "full" else f"benchmarks_{suite}.md")
     md_path.write_text(report)
-    (md_path.with_suffix(".json")).write_text(json.dumps([dataclasses.asdict(r) for r in all_rows], indent=1, default=str))
+    (md_path.with_suffix(".json")).write_text(
+        json.dumps([dataclasses.asdict(r) for r in all_rows], indent=1, default=str)
+    )
     plot(all_rows, md_path.with_suffix(".png"))
     log(report)
     log(f"wrote {md_path}, {md_path.with_suffix('.json')}, {md_path.with_suffix('.png')}")
@@ -202,7 +290,9 @@ def _fmt(value, spec):
     return "—" if value is None else format(value, spec)
 
 
-def format_markdown(rows: list[Row], limits, roof: Roofline, target, runs: int, warmup: int, rounds: int) -> str:
+def format_markdown(
+    rows: list[Row], limits, roof: Roofline, target, runs: int, warmup: int, rounds: int
+) -> str:
     import onnxruntime
 
     lines = [
@@ -222,23 +312,37 @@ def format_markdown(rows: list[Row], limits, roof: Roofline, target, runs: int, 
     ]
     for r in rows:
         mb = None if r.bytes_moved is None else r.bytes_moved / 2**20
-        lines.append(f"| {r.model} | {r.variant} | {_fmt(r.median_ms, '.3f')} | {_fmt(r.p90_ms, '.3f')} | "
-                     f"{_fmt(r.ratio_vs_ort, '.2f')} | {_fmt(r.kernels, 'd')} | {_fmt(mb, '.1f')} | "
-                     f"{_fmt(r.max_abs_err, '.1e')} | {r.note} |")
-    lines += ["", "## Distance from the machine limit", "",
-              "The limit is numpy's (OpenBLAS) GEMM rate and copy bandwidth on this machine, not the "
-              "hardware peak: above 100 % our kernels ran faster than numpy's GEMM.", "",
-              "| model | GFLOP | roofline lower bound ms | best tvm_fusion ms | % of limit |", "| --- | ---: | ---: | ---: | ---: |"]
+        lines.append(
+            f"| {r.model} | {r.variant} | {_fmt(r.median_ms, '.3f')} | {_fmt(r.p90_ms, '.3f')} | "
+            f"{_fmt(r.ratio_vs_ort, '.2f')} | {_fmt(r.kernels, 'd')} | {_fmt(mb, '.1f')} | "
+            f"{_fmt(r.max_abs_err, '.1e')} | {r.note} |"
+        )
+    lines += [
+        "",
+        "## Distance from the machine limit",
+        "",
+        "The limit is numpy's (OpenBLAS) GEMM rate and copy bandwidth on this machine, not the "
+        "hardware peak: above 100 % our kernels ran faster than numpy's GEMM.",
+        "",
+        "| model | GFLOP | roofline lower bound ms | best tvm_fusion ms | % of limit |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for name, (bound_ms, gflop, _moved) in limits.items():
-        ours = [r.median_ms for r in rows if r.model == name and r.variant.startswith("tvm_fusion") and r.median_ms]
+        ours = [
+            r.median_ms
+            for r in rows
+            if r.model == name and r.variant.startswith("tvm_fusion") and r.median_ms
+        ]
         best = min(ours) if ours else None
         pct = None if not best else 100 * bound_ms / best
         lines.append(f"| {name} | {gflop:.2f} | {bound_ms:.3f} | {_fmt(best, '.3f')} | {_fmt(pct, '.0f')} |")
     lines += ["", "## Top kernels (VM instrumentation)", ""]
     for r in rows:
         if r.top_kernels:
-            lines.append(f"**{r.model} — {r.variant}**: " + ", ".join(f"`{k}` {ms:.3f} ms" + (f" ×{n}" if n > 1 else "")
-                                                               for k, ms, n in r.top_kernels))
+            lines.append(
+                f"**{r.model} — {r.variant}**: "
+                + ", ".join(f"`{k}` {ms:.3f} ms" + (f" ×{n}" if n > 1 else "") for k, ms, n in r.top_kernels)
+            )
             lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -270,8 +374,15 @@ def main(argv=None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small models, few runs: checks that the benchmark completes")
-    parser.add_argument("--suite", choices=sorted(SUITES), default=None, help="model set (default: full, or quick with --quick)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small models, few runs: checks that the benchmark completes"
+    )
+    parser.add_argument(
+        "--suite",
+        choices=sorted(SUITES),
+        default=None,
+        help="model set (default: full, or quick with --quick)",
+    )
     parser.add_argument("--out", default="docs")
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--tuning-logs", default="tuning_logs")
@@ -279,6 +390,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     runs = args.runs or (5 if args.quick else 30)
     suite = args.suite or ("quick" if args.quick else "full")
-    run(suite, args.out, runs=runs, warmup=2 if args.quick else 5, tuning_logs=args.tuning_logs,
-        rounds=min(args.rounds, runs))
+    run(
+        suite,
+        args.out,
+        runs=runs,
+        warmup=2 if args.quick else 5,
+        tuning_logs=args.tuning_logs,
+        rounds=min(args.rounds, runs),
+    )
     return 0

@@ -17,24 +17,47 @@ from .errors import TvmFusionError
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="an .onnx file, or the name of a bundled example (see `tvm-fusion examples`)")
+    parser.add_argument(
+        "model", help="an .onnx file, or the name of a bundled example (see `tvm-fusion examples`)"
+    )
     parser.add_argument("--target", default="llvm", help="llvm | cuda | a JSON target dict (default: llvm)")
     parser.add_argument("--arch", default=None, help="CUDA arch for --target cuda (default sm_80)")
     parser.add_argument("--policy", default=None, help="a JSON file with a FusionPolicy (see README)")
-    parser.add_argument("--name", default=None, help="model name for tuning_logs/<name>/ (default: file stem)")
+    parser.add_argument(
+        "--name", default=None, help="model name for tuning_logs/<name>/ (default: file stem)"
+    )
 
 
 def _add_pipeline_switches(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--no-fold-bn", dest="fold_batch_norm", action="store_false", help="keep BatchNorm ops")
-    parser.add_argument("--no-horizontal", dest="horizontal", action="store_const", const=False, default=None,
-                        help="disable horizontal fusion")
-    parser.add_argument("--layout", default="auto", help="auto (NHWC on CUDA; NCHW on CPU, where it measured faster than NCHW{c}) | NCHW | NHWC | NCHW8c | off")
-    parser.add_argument("--no-fusion", dest="fusion", action="store_false", help="one kernel per op (baseline)")
+    parser.add_argument(
+        "--no-fold-bn", dest="fold_batch_norm", action="store_false", help="keep BatchNorm ops"
+    )
+    parser.add_argument(
+        "--no-horizontal",
+        dest="horizontal",
+        action="store_const",
+        const=False,
+        default=None,
+        help="disable horizontal fusion",
+    )
+    parser.add_argument(
+        "--layout",
+        default="auto",
+        help="auto (NHWC on CUDA; NCHW on CPU, where it measured faster than NCHW{c}) | NCHW | NHWC | NCHW8c | off",
+    )
+    parser.add_argument(
+        "--no-fusion", dest="fusion", action="store_false", help="one kernel per op (baseline)"
+    )
 
 
 def _pipeline_options(args) -> dict:
     layout = {"auto": True, "off": False, "none": False}.get(str(args.layout).lower(), args.layout)
-    return {"fold_batch_norm": args.fold_batch_norm, "horizontal": args.horizontal, "layout": layout, "fusion": args.fusion}
+    return {
+        "fold_batch_norm": args.fold_batch_norm,
+        "horizontal": args.horizontal,
+        "layout": layout,
+        "fusion": args.fusion,
+    }
 
 
 def cmd_build(args) -> int:
@@ -47,7 +70,14 @@ def cmd_build(args) -> int:
 
     tuning_logs = None if args.no_tuning_logs else args.tuning_logs
     buckets = [parse_bucket(b) for b in args.shape_bucket] or None
-    result = build(imported, target, args.policy, tuning_logs=tuning_logs, shape_buckets=buckets, **_pipeline_options(args))
+    result = build(
+        imported,
+        target,
+        args.policy,
+        tuning_logs=tuning_logs,
+        shape_buckets=buckets,
+        **_pipeline_options(args),
+    )
     out = Path(args.output or f"{imported.name}.{target.kind.name}.so")
     result.export(out)
     print(result.describe())
@@ -80,9 +110,18 @@ def cmd_tune(args) -> int:
 
     target = parse_target(args.target, cuda_arch=args.arch)
     imported = as_imported(args.model, args.name)
-    result = tuning.tune_model(imported, target, policy=args.policy, trials=args.trials, log_root=args.tuning_logs,
-                               rpc=args.rpc, max_trials_per_task=args.trials_per_task, options=_pipeline_options(args),
-                               measure=args.measure, verify_again=args.verify_again)
+    result = tuning.tune_model(
+        imported,
+        target,
+        policy=args.policy,
+        trials=args.trials,
+        log_root=args.tuning_logs,
+        rpc=args.rpc,
+        max_trials_per_task=args.trials_per_task,
+        options=_pipeline_options(args),
+        measure=args.measure,
+        verify_again=args.verify_again,
+    )
     print(result)
     return 0
 
@@ -96,8 +135,12 @@ def cmd_run(args) -> int:
         feeds = {k: data[k] for k in data.files}
     else:
         rng = np.random.default_rng(0)
-        feeds = {s.name: rng.standard_normal([d if isinstance(d, int) and d > 0 else 1 for d in s.shape]).astype(s.dtype)
-                 for s in model.inputs}
+        feeds = {
+            s.name: rng.standard_normal([d if isinstance(d, int) and d > 0 else 1 for d in s.shape]).astype(
+                s.dtype
+            )
+            for s in model.inputs
+        }
     out = model(**feeds)
     outs = out if isinstance(out, list) else [out]
     for i, o in enumerate(outs):
@@ -134,13 +177,22 @@ def make_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     _add_pipeline_switches(b)
     b.add_argument("-o", "--output", default=None, help="output .so path (default <name>.<target>.so)")
-    b.add_argument("--tuning-logs", default="tuning_logs", help="root of stored tuning records (default tuning_logs)")
+    b.add_argument(
+        "--tuning-logs", default="tuning_logs", help="root of stored tuning records (default tuning_logs)"
+    )
     b.add_argument("--no-tuning-logs", action="store_true", help="ignore stored tuning records")
-    b.add_argument("--shape-bucket", action="append", default=[], metavar="DIM=N[,DIM=N]",
-                   help="add an entry specialised for these symbolic dims (repeatable), e.g. batch=1,seq=128")
+    b.add_argument(
+        "--shape-bucket",
+        action="append",
+        default=[],
+        metavar="DIM=N[,DIM=N]",
+        help="add an entry specialised for these symbolic dims (repeatable), e.g. batch=1,seq=128",
+    )
     b.set_defaults(func=cmd_build)
 
-    e = sub.add_parser("explain", help="show the fusion groups the policy forms and why candidates were rejected")
+    e = sub.add_parser(
+        "explain", help="show the fusion groups the policy forms and why candidates were rejected"
+    )
     _add_model_args(e)
     _add_pipeline_switches(e)
     e.set_defaults(func=cmd_explain)
@@ -149,12 +201,24 @@ def make_parser() -> argparse.ArgumentParser:
     _add_model_args(t)
     _add_pipeline_switches(t)
     t.add_argument("--trials", type=int, default=64, help="total measured trials (default 64)")
-    t.add_argument("--trials-per-task", type=int, default=None, help="cap per fused kernel (default: trials spread evenly)")
+    t.add_argument(
+        "--trials-per-task",
+        type=int,
+        default=None,
+        help="cap per fused kernel (default: trials spread evenly)",
+    )
     t.add_argument("--tuning-logs", default="tuning_logs", help="where records go (default tuning_logs)")
-    t.add_argument("--rpc", default=None, help="host:port:key of a TVM RPC tracker, to tune on a remote device")
-    t.add_argument("--measure", action="store_true", help="afterwards, time the tuned build against the untuned one")
-    t.add_argument("--verify-again", action="store_true",
-                   help="re-time each kernel's best record against its default schedule (after a run on a busy machine)")
+    t.add_argument(
+        "--rpc", default=None, help="host:port:key of a TVM RPC tracker, to tune on a remote device"
+    )
+    t.add_argument(
+        "--measure", action="store_true", help="afterwards, time the tuned build against the untuned one"
+    )
+    t.add_argument(
+        "--verify-again",
+        action="store_true",
+        help="re-time each kernel's best record against its default schedule (after a run on a busy machine)",
+    )
     t.set_defaults(func=cmd_tune)
 
     r = sub.add_parser("run", help="load an exported .so and run it on random (or .npz) inputs")

@@ -44,7 +44,9 @@ def stock_latency_ms(model, feeds, target) -> float:
 
 def _median_ms(vm, feeds, number=5, repeat=5) -> float:
     args = [tvm.runtime.tensor(v) for v in feeds.values()]
-    return float(np.median(vm.time_evaluator("main", tvm.cpu(), number=number, repeat=repeat)(*args).results) * 1e3)
+    return float(
+        np.median(vm.time_evaluator("main", tvm.cpu(), number=number, repeat=repeat)(*args).results) * 1e3
+    )
 
 
 def run_demo(out_dir: str = "out", target="llvm", names=DEMO_MODELS) -> int:
@@ -74,7 +76,9 @@ def run_demo(out_dir: str = "out", target="llvm", names=DEMO_MODELS) -> int:
         ours = _median_ms(vm, feeds)
         stock = stock_latency_ms(model, feeds, target)
         print(f"  max abs error vs {ref_name}: {err:.3g}")
-        print(f"  latency: tvm_fusion {ours:.3f} ms, stock TVM (zero pipeline) {stock:.3f} ms, speedup {stock / ours:.2f}x")
+        print(
+            f"  latency: tvm_fusion {ours:.3f} ms, stock TVM (zero pipeline) {stock:.3f} ms, speedup {stock / ours:.2f}x"
+        )
     ok = worst <= 1e-4
     print(f"demo {'passed' if ok else 'FAILED'}: worst max abs error {worst:.3g} (tolerance 1e-4)")
     return 0 if ok else 1

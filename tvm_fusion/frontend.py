@@ -130,7 +130,9 @@ def _value_specs(model, values, skip=frozenset()) -> list[TensorSpec]:
         if value.name in skip:
             continue
         ttype = value.type.tensor_type
-        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in ttype.shape.dim)
+        dims = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in ttype.shape.dim
+        )
         dtype = onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type).name if ttype.elem_type else "float32"
         specs.append(TensorSpec(value.name, dims, dtype))
     return specs
@@ -138,4 +140,3 @@ def _value_specs(model, values, skip=frozenset()) -> list[TensorSpec]:
 
 def _safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "model"
-

@@ -7,7 +7,7 @@ None, so modules that never use the new forms lower exactly as before. Registeri
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import tvm
 from tvm.ir import Op

@@ -7,7 +7,7 @@ call gives the same model (and the same model hash, which the tuning records key
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -63,9 +63,13 @@ class GraphBuilder:
     # -- layers ---------------------------------------------------------------------------
     def conv(self, x, cin, cout, k=3, stride=1, groups=1, bias=True) -> str:
         w = self.weight("conv_w", (cout, cin // groups, k, k))
-        ins = [x, w] + ([self.const("conv_b", self.rng.standard_normal(cout).astype(np.float32) * 0.1)] if bias else [])
+        ins = [x, w] + (
+            [self.const("conv_b", self.rng.standard_normal(cout).astype(np.float32) * 0.1)] if bias else []
+        )
         pad = k // 2
-        return self.op("Conv", ins, kernel_shape=[k, k], strides=[stride, stride], pads=[pad] * 4, group=groups)
+        return self.op(
+            "Conv", ins, kernel_shape=[k, k], strides=[stride, stride], pads=[pad] * 4, group=groups
+        )
 
     def batch_norm(self, x, channels) -> str:
         gamma = self.const("bn_gamma", self.rng.uniform(0.5, 1.5, channels).astype(np.float32))
@@ -156,7 +160,11 @@ def resnet18(batch=1, size=224, num_classes=1000, seed=0) -> onnx.ModelProto:
             h = _basic_block(g, h, cin, cout, stride)
             cin = cout
     h = g.op("Flatten", [g.op("GlobalAveragePool", [h])], axis=1)
-    y = g.op("Gemm", [h, g.weight("fc_w", (num_classes, 512)), g.const("fc_b", np.zeros(num_classes, np.float32))], transB=1)
+    y = g.op(
+        "Gemm",
+        [h, g.weight("fc_w", (num_classes, 512)), g.const("fc_b", np.zeros(num_classes, np.float32))],
+        transB=1,
+    )
     return g.finish([y])
 
 
@@ -205,9 +213,13 @@ def mlp_bn(batch=8, din=32, hidden=64, dout=10, seed=0) -> onnx.ModelProto:
     """An MLP whose hidden layer is Gemm -> BatchNorm(features) -> Relu (BN after a dense)."""
     g = GraphBuilder("mlp_bn", seed)
     x = g.input("input", (batch, din))
-    h = g.op("Gemm", [x, g.weight("fc_w", (hidden, din)), g.const("fc_b", np.zeros(hidden, np.float32))], transB=1)
+    h = g.op(
+        "Gemm", [x, g.weight("fc_w", (hidden, din)), g.const("fc_b", np.zeros(hidden, np.float32))], transB=1
+    )
     h = g.relu(g.batch_norm(h, hidden))
-    y = g.op("Gemm", [h, g.weight("fc_w", (dout, hidden)), g.const("fc_b", np.zeros(dout, np.float32))], transB=1)
+    y = g.op(
+        "Gemm", [h, g.weight("fc_w", (dout, hidden)), g.const("fc_b", np.zeros(dout, np.float32))], transB=1
+    )
     return g.finish([y])
 
 

@@ -24,7 +24,6 @@ from tvm import relax
 from .policy import FusionPolicy
 from .targets import parse_target
 
-
 # The activation layout the pipeline asks RewriteLayout for, per target kind; measured, see
 # docs/layout.md. On CPU our conv schedule already packs weights into a blocked layout at compile
 # time and picks its vector axis per conv; NCHW activations measured faster than NCHW8c/16c/32c
@@ -33,7 +32,9 @@ from .targets import parse_target
 PIPELINE_LAYOUT = {"cuda": "NHWC", "llvm": "NCHW"}
 
 
-def in_target(target: tvm.target.Target, inner: tvm.transform.Pass, name: str | None = None) -> tvm.transform.Pass:
+def in_target(
+    target: tvm.target.Target, inner: tvm.transform.Pass, name: str | None = None
+) -> tvm.transform.Pass:
     """Run ``inner`` with ``target`` in scope (dlight and Meta-Schedule read ``Target.current()``)."""
 
     @tvm.transform.module_pass(opt_level=0, name=name or inner.info.name)

@@ -38,12 +38,34 @@ OP_CLASSES: dict[str, list[str]] = {
     "gemm": ["matmul", "nn.linear"],
     "binary": ["add", "subtract", "multiply", "divide", "maximum", "minimum", "power"],
     "activation": [
-        "nn.relu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "nn.leakyrelu", "nn.softplus", "sigmoid",
-        "tanh", "clip", "erf", "exp", "log", "sqrt", "rsqrt", "negative", "abs", "square", "astype",
+        "nn.relu",
+        "nn.gelu",
+        "nn.gelu_tanh",
+        "nn.silu",
+        "nn.leakyrelu",
+        "nn.softplus",
+        "sigmoid",
+        "tanh",
+        "clip",
+        "erf",
+        "exp",
+        "log",
+        "sqrt",
+        "rsqrt",
+        "negative",
+        "abs",
+        "square",
+        "astype",
     ],
     "injective": [
-        "reshape", "permute_dims", "layout_transform", "expand_dims", "squeeze", "flatten",
-        "broadcast_to", "strided_slice",
+        "reshape",
+        "permute_dims",
+        "layout_transform",
+        "expand_dims",
+        "squeeze",
+        "flatten",
+        "broadcast_to",
+        "strided_slice",
     ],
     "norm": ["nn.layer_norm", "nn.rms_norm", "nn.group_norm"],
     "softmax": ["nn.softmax", "nn.log_softmax"],
@@ -71,13 +93,33 @@ DEFAULT_VERTICAL: dict[str, list[str]] = {
 
 # Rough FLOPs per output element, for the cost model. Anything unlisted counts 1.
 FLOPS_PER_ELEMENT: dict[str, float] = {
-    "nn.gelu": 14, "nn.gelu_tanh": 12, "nn.silu": 5, "sigmoid": 4, "tanh": 6, "erf": 8, "exp": 4,
-    "log": 4, "nn.softplus": 8, "clip": 2, "power": 8, "rsqrt": 2, "nn.layer_norm": 8,
-    "nn.rms_norm": 6, "nn.group_norm": 8, "nn.softmax": 6, "nn.log_softmax": 7,
+    "nn.gelu": 14,
+    "nn.gelu_tanh": 12,
+    "nn.silu": 5,
+    "sigmoid": 4,
+    "tanh": 6,
+    "erf": 8,
+    "exp": 4,
+    "log": 4,
+    "nn.softplus": 8,
+    "clip": 2,
+    "power": 8,
+    "rsqrt": 2,
+    "nn.layer_norm": 8,
+    "nn.rms_norm": 6,
+    "nn.group_norm": 8,
+    "nn.softmax": 6,
+    "nn.log_softmax": 7,
 }
 
 # How many times a reduction consumer reads each input element (mean, variance, normalise).
-REDUCTION_PASSES: dict[str, int] = {"nn.layer_norm": 3, "nn.rms_norm": 2, "nn.group_norm": 3, "nn.softmax": 3, "nn.log_softmax": 3}
+REDUCTION_PASSES: dict[str, int] = {
+    "nn.layer_norm": 3,
+    "nn.rms_norm": 2,
+    "nn.group_norm": 3,
+    "nn.softmax": 3,
+    "nn.log_softmax": 3,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,18 +137,22 @@ class Roofline:
     cache_bytes: int
 
     @classmethod
-    def for_target(cls, target) -> "Roofline":
+    def for_target(cls, target) -> Roofline:
         kind = getattr(getattr(target, "kind", None), "name", "llvm")
         if kind == "cuda":  # A100-class: HBM2e, fp32 CUDA cores, ~5 us launch, 40 MB L2
-            return cls(bandwidth_gbps=1500.0, peak_gflops=19500.0, launch_overhead_us=5.0, cache_bytes=40 << 20)
+            return cls(
+                bandwidth_gbps=1500.0, peak_gflops=19500.0, launch_overhead_us=5.0, cache_bytes=40 << 20
+            )
         cores = 1
         if target is not None and "num-cores" in target.attrs:
             cores = int(target.attrs["num-cores"])
         # Per AVX2 core: 2 FMA x 8 lanes x ~3 GHz = ~96 GFLOP/s peak; ~12 GB/s of DRAM bandwidth.
-        return cls(bandwidth_gbps=12.0 * cores, peak_gflops=96.0 * cores, launch_overhead_us=1.0, cache_bytes=1 << 20)
+        return cls(
+            bandwidth_gbps=12.0 * cores, peak_gflops=96.0 * cores, launch_overhead_us=1.0, cache_bytes=1 << 20
+        )
 
     @classmethod
-    def measure(cls, size_mb: int = 64, gemm_n: int = 1024, tries: int = 10) -> "Roofline":
+    def measure(cls, size_mb: int = 64, gemm_n: int = 1024, tries: int = 10) -> Roofline:
         """Measure copy bandwidth and GEMM FLOP/s with numpy on this machine (takes ~1 s): the best
         of ``tries``, since on a shared machine other tenants only ever make a try slower (a
         512-wide GEMM, best of 5, once read 127 GFLOP/s where kernels then ran at 180)."""
@@ -129,7 +175,12 @@ class Roofline:
             a @ a
             best = min(best, time.perf_counter() - start)
         gflops = 2 * gemm_n**3 / best / 1e9
-        return cls(bandwidth_gbps=round(bandwidth, 1), peak_gflops=round(gflops, 1), launch_overhead_us=1.0, cache_bytes=1 << 20)
+        return cls(
+            bandwidth_gbps=round(bandwidth, 1),
+            peak_gflops=round(gflops, 1),
+            launch_overhead_us=1.0,
+            cache_bytes=1 << 20,
+        )
 
     def seconds(self, bytes_moved: float, flops: float) -> float:
         """Roofline time: the larger of memory time and compute time."""
@@ -140,8 +191,12 @@ class Roofline:
 class FusionPolicy:
     """Which op pairs may fuse, how deep groups get, and the cost model's threshold."""
 
-    vertical: dict[str, list[str]] = dataclasses.field(default_factory=lambda: {k: list(v) for k, v in DEFAULT_VERTICAL.items()})
-    op_classes: dict[str, list[str]] = dataclasses.field(default_factory=lambda: {k: list(v) for k, v in OP_CLASSES.items()})
+    vertical: dict[str, list[str]] = dataclasses.field(
+        default_factory=lambda: {k: list(v) for k, v in DEFAULT_VERTICAL.items()}
+    )
+    op_classes: dict[str, list[str]] = dataclasses.field(
+        default_factory=lambda: {k: list(v) for k, v in OP_CLASSES.items()}
+    )
     max_fusion_depth: int = 4
     anchor_classes: list[str] = dataclasses.field(default_factory=lambda: ["conv", "gemm"])
     epilogue_classes: list[str] = dataclasses.field(default_factory=lambda: list(ELEMENTWISE))
@@ -155,7 +210,7 @@ class FusionPolicy:
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "FusionPolicy":
+    def from_dict(cls, data: dict[str, Any]) -> FusionPolicy:
         """Build from a plain dict; missing keys keep their defaults, unknown keys are errors."""
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
@@ -167,7 +222,7 @@ class FusionPolicy:
         return cls(**data)
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "FusionPolicy":
+    def from_json(cls, path: str | Path) -> FusionPolicy:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as err:
@@ -175,7 +230,7 @@ class FusionPolicy:
         return cls.from_dict(data)
 
     @classmethod
-    def coerce(cls, policy: "FusionPolicy | dict | str | Path | None") -> "FusionPolicy":
+    def coerce(cls, policy: FusionPolicy | dict | str | Path | None) -> FusionPolicy:
         """Accept a policy, a dict, a JSON file path, or None (the default policy)."""
         if policy is None:
             return cls()
@@ -188,7 +243,7 @@ class FusionPolicy:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def replace(self, **changes) -> "FusionPolicy":
+    def replace(self, **changes) -> FusionPolicy:
         return dataclasses.replace(self, **changes)
 
     # -- queries --------------------------------------------------------------------------
@@ -199,10 +254,14 @@ class FusionPolicy:
         for producer, consumers in self.vertical.items():
             for name in [producer, *consumers]:
                 if name not in known:
-                    raise TvmFusionError(f"fusion policy names op class {name!r}, which is not in op_classes {sorted(known)}")
+                    raise TvmFusionError(
+                        f"fusion policy names op class {name!r}, which is not in op_classes {sorted(known)}"
+                    )
         for name in [*self.anchor_classes, *self.epilogue_classes]:
             if name not in known:
-                raise TvmFusionError(f"fusion policy names op class {name!r}, which is not in op_classes {sorted(known)}")
+                raise TvmFusionError(
+                    f"fusion policy names op class {name!r}, which is not in op_classes {sorted(known)}"
+                )
 
     def op_class(self, op_name: str) -> str | None:
         """The class of a Relax op name ("relax.nn.conv2d" or "nn.conv2d"), or None if unclassified."""

@@ -13,7 +13,9 @@ import tvm
 from tvm import relax
 
 
-def kernel_times(vm: relax.VirtualMachine, args, entry: str = "main", repeat: int = 10, device=None) -> list[tuple[str, float, int]]:
+def kernel_times(
+    vm: relax.VirtualMachine, args, entry: str = "main", repeat: int = 10, device=None
+) -> list[tuple[str, float, int]]:
     """``[(kernel, mean ms per inference, launches per inference)]``, slowest first."""
     device = device or tvm.cpu()
     totals: dict[str, float] = collections.defaultdict(float)
@@ -36,5 +38,9 @@ def kernel_times(vm: relax.VirtualMachine, args, entry: str = "main", repeat: in
             vm[entry](*args)
     finally:
         vm.set_instrument(None)
-    rows = [(name, totals[name] * 1e3 / repeat, counts[name] // repeat) for name in totals if not name.startswith("vm.builtin")]
+    rows = [
+        (name, totals[name] * 1e3 / repeat, counts[name] // repeat)
+        for name in totals
+        if not name.startswith("vm.builtin")
+    ]
     return sorted(rows, key=lambda r: -r[1])

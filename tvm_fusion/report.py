@@ -24,7 +24,9 @@ def _calls(mod: tvm.IRModule, include_primitive: bool = False):
     for _, func in _relax_functions(mod):
         if not include_primitive and func.attrs is not None and "Primitive" in func.attrs.keys():
             continue
-        relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.Call) else None)
+        relax.analysis.post_order_visit(
+            func, lambda e: found.append(e) if isinstance(e, relax.Call) else None
+        )
     return found
 
 
@@ -36,7 +38,9 @@ def op_counts(mod: tvm.IRModule) -> collections.Counter:
     """
     counts = collections.Counter()
     for call in _calls(mod):
-        if not isinstance(call.op, tvm.ir.Op) or call.op.name.startswith(("relax.call_", "relax.builtin", "relax.memory", "relax.vm")):
+        if not isinstance(call.op, tvm.ir.Op) or call.op.name.startswith(
+            ("relax.call_", "relax.builtin", "relax.memory", "relax.vm")
+        ):
             continue
         if any(relax.analysis.free_vars(arg) for arg in call.args):
             counts[call.op.name.removeprefix("relax.")] += 1
@@ -68,8 +72,10 @@ class Summary:
     op_histogram: dict
 
     def format(self) -> str:
-        return (f"ops {self.ops} -> kernels {self.kernels} ({self.fused_groups} fused groups), "
-                f"layout transforms left {self.layout_transforms}")
+        return (
+            f"ops {self.ops} -> kernels {self.kernels} ({self.fused_groups} fused groups), "
+            f"layout transforms left {self.layout_transforms}"
+        )
 
 
 def kernel_count(mod: tvm.IRModule) -> int:
@@ -145,7 +151,9 @@ def model_flops(mod: tvm.IRModule) -> float:
         elif name == "relax.matmul":
             k = call.args[0].ty.shape.values[-1]
             total += 2.0 * out * (int(k) if isinstance(k, tvm.tirx.IntImm) else 1)
-        elif not name.startswith(("relax.call_", "relax.reshape", "relax.permute_dims", "relax.layout_transform")):
+        elif not name.startswith(
+            ("relax.call_", "relax.reshape", "relax.permute_dims", "relax.layout_transform")
+        ):
             total += out
     return total
 

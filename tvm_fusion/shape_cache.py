@@ -44,7 +44,9 @@ def add_shape_buckets(mod: tvm.IRModule, buckets: list[dict[str, int]], entry: s
         bindings = {str(k): int(v) for k, v in bindings.items()}
         unknown = sorted(set(bindings) - set(known))
         if unknown:
-            raise TvmFusionError(f"shape bucket {bindings} names {unknown}, but the model's symbolic dims are {known or 'none'}")
+            raise TvmFusionError(
+                f"shape bucket {bindings} names {unknown}, but the model's symbolic dims are {known or 'none'}"
+            )
         if any(v <= 0 for v in bindings.values()):
             raise TvmFusionError(f"shape bucket {bindings}: sizes must be positive")
         name = bucket_function_name(bindings, entry)
@@ -61,7 +63,9 @@ def parse_bucket(text: str) -> dict[str, int]:
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not value.strip().isdigit():
-            raise TvmFusionError(f"bad shape bucket {text!r}: expected name=size[,name=size...], e.g. batch=1,seq=128")
+            raise TvmFusionError(
+                f"bad shape bucket {text!r}: expected name=size[,name=size...], e.g. batch=1,seq=128"
+            )
         bucket[key.strip()] = int(value)
     return bucket
 

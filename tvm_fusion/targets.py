@@ -120,6 +120,7 @@ def device_for(target: tvm.target.Target, index: int = 0):
     kind = "cpu" if target.kind.name in ("llvm", "c") else target.kind.name
     dev = tvm.device(kind, index)
     if not dev.exist:
-        raise TargetError(f"no {target.kind.name} device {index} on this machine: cannot run {target.kind.name} code here")
+        raise TargetError(
+            f"no {target.kind.name} device {index} on this machine: cannot run {target.kind.name} code here"
+        )
     return dev
-

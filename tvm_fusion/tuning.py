@@ -47,8 +47,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import tvm
 from tvm import relax
@@ -76,6 +77,7 @@ def beats_default(tuned_us: float | None, default_us: float | None) -> bool:
     if tuned_us is None or default_us is None:
         return False
     return float(tuned_us) < float(default_us) * (1.0 - MIN_GAIN)
+
 
 # tvm-ffi versions known to serialize TVM 0.27 objects correctly / to segfault in ToJSONGraph.
 _FFI_GOOD = {"0.1.14.post0"}
@@ -135,7 +137,11 @@ def _fast_stack(context: int = 1) -> list[inspect.FrameInfo]:
             out.append(inspect.FrameInfo(frame, *info, positions=info.positions))
         else:
             code = frame.f_code
-            out.append(inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name, None, None, positions=None))
+            out.append(
+                inspect.FrameInfo(
+                    frame, code.co_filename, frame.f_lineno, code.co_name, None, None, positions=None
+                )
+            )
         frame = frame.f_back
     return out
 
@@ -184,7 +190,9 @@ def make_builder(max_workers: int = 1, timeout_s: float = 60.0):
 
         def build(self, build_inputs):
             results = []
-            jobs = [(_worker_build, None, b.mod, b.target, lb._serialize_params(b.params)) for b in build_inputs]
+            jobs = [
+                (_worker_build, None, b.mod, b.target, lb._serialize_params(b.params)) for b in build_inputs
+            ]
             for res in self.pool.map_with_error_catching(lambda x: lb._worker_func(*x), jobs):
                 if res.status == StatusKind.COMPLETE:
                     results.append(ms.builder.BuilderResult(res.value, None))
@@ -390,14 +398,18 @@ def read_record_set(path: str | os.PathLike) -> RecordSet:
         try:
             rset.workloads.append(ms.database.Workload.from_json(obj))
         except Exception as err:
-            raise TuningRecordError(f"{wpath}: line {lineno}: not a Meta-Schedule workload ({last_line(err, 300)})") from None
+            raise TuningRecordError(
+                f"{wpath}: line {lineno}: not a Meta-Schedule workload ({last_line(err, 300)})"
+            ) from None
     for lineno, obj in _json_lines(rpath):
         try:
             index, body = obj
             workload = rset.workloads[int(index)]
             rset.records.append(ms.database.TuningRecord.from_json(body, workload))
         except Exception as err:
-            raise TuningRecordError(f"{rpath}: line {lineno}: not a valid tuning record ({last_line(err, 300)})") from None
+            raise TuningRecordError(
+                f"{rpath}: line {lineno}: not a valid tuning record ({last_line(err, 300)})"
+            ) from None
     for what, got, file in (("workloads", len(rset.workloads), wpath), ("records", len(rset.records), rpath)):
         want = int(manifest.get(f"num_{what}", 0))
         if got < want:  # more is fine: a run stopped between writing records and the manifest
@@ -483,7 +495,9 @@ def load_records(
     target = parse_target(target)
     path = record_dir(log_root, model_name, target)
     if not (path / MANIFEST_FILE).exists() and not (path / RECORD_FILE).exists():
-        others = sorted(p.name for p in (Path(log_root) / model_name).glob("*") if (p / MANIFEST_FILE).exists())
+        others = sorted(
+            p.name for p in (Path(log_root) / model_name).glob("*") if (p / MANIFEST_FILE).exists()
+        )
         msg = f"{path}: no tuning records: using default schedules"
         if others:
             msg += f" (records exist for other targets: {', '.join(others)})"
@@ -614,7 +628,11 @@ def apply_records(database, target=None, enable_warning: bool = False) -> tvm.tr
 
 
 def _is_scheduled(func) -> bool:
-    return isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None and bool(func.attrs.get("tirx.is_scheduled", False))
+    return (
+        isinstance(func, tvm.tirx.PrimFunc)
+        and func.attrs is not None
+        and bool(func.attrs.get("tirx.is_scheduled", False))
+    )
 
 
 @dataclasses.dataclass
@@ -744,12 +762,28 @@ def measure_modules(builder, runner, target, items: list[tuple[Any, tvm.IRModule
 
 
 def _best_record(rset: RecordSet, key: str):
-    recs = [(s, r) for r in rset.records if _shash(r.workload.mod) == key for s in [_mean_secs(r)] if s is not None]
+    recs = [
+        (s, r)
+        for r in rset.records
+        if _shash(r.workload.mod) == key
+        for s in [_mean_secs(r)]
+        if s is not None
+    ]
     return min(recs, key=lambda x: x[0])[1] if recs else None
 
 
-def verify_against_default(rset: RecordSet, mod, target, tasks, summaries, builder, runner, rounds: int = 5, say=None,
-                           again: bool = False) -> None:
+def verify_against_default(
+    rset: RecordSet,
+    mod,
+    target,
+    tasks,
+    summaries,
+    builder,
+    runner,
+    rounds: int = 5,
+    say=None,
+    again: bool = False,
+) -> None:
     """Time each task's default schedule and its best tuned record side by side; store
     ``default_us``, ``tuned_us`` and ``verified_trials`` in the manifest (read by
     :func:`slower_than_default` when the build loads the records). Tasks checked already with
@@ -760,7 +794,11 @@ def verify_against_default(rset: RecordSet, mod, target, tasks, summaries, build
     todo = []
     for summary in summaries:
         entry = rset.manifest["tasks"][summary.workload_hash]
-        if not again and entry.get("verified_trials") == summary.trials and entry.get("default_us") is not None:
+        if (
+            not again
+            and entry.get("verified_trials") == summary.trials
+            and entry.get("default_us") is not None
+        ):
             summary.default_us, summary.tuned_us = entry["default_us"], entry.get("tuned_us")
             continue
         best = _best_record(rset, summary.workload_hash)
@@ -968,7 +1006,6 @@ def extract_tasks(mod: tvm.IRModule, target) -> list:
     return [t for t in tasks if not t.mod.attrs or not t.mod.attrs.get("tirx.is_scheduled", False)]
 
 
-
 def tune(
     mod: tvm.IRModule,
     target,
@@ -1048,7 +1085,9 @@ def tune(
         # A task tuned to its budget earlier may have measured fewer (its search space ran out).
         at_budget = trials_done >= budget or int(entry.get("budget", 0)) >= budget
         best_us = best[key] * 1e6 if key in best else None
-        summaries.append(TaskSummary(task.task_name, key, budget, trials_done, trials_done, best_us, at_budget))
+        summaries.append(
+            TaskSummary(task.task_name, key, budget, trials_done, trials_done, best_us, at_budget)
+        )
         rset.manifest["tasks"][key] = {
             **entry,  # keeps default_us / tuned_us / verified_trials of an earlier run
             "name": task.task_name,
@@ -1061,7 +1100,9 @@ def tune(
 
     remaining = sum(max(s.budget - s.trials, 0) for s in summaries if not s.skipped)
     bar = _progress_bar(remaining, progress and remaining > 0)
-    evaluator = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=min_repeat_ms, enable_cpu_cache_flush=False)
+    evaluator = ms.runner.EvaluatorConfig(
+        number=3, repeat=1, min_repeat_ms=min_repeat_ms, enable_cpu_cache_flush=False
+    )
     num_threads = max(1, min(os.cpu_count() or 1, 4))
     state = {"task": None, "stop": 0, "pending": None}
     builder = runner = None
@@ -1081,7 +1122,9 @@ def tune(
         set and save it atomically."""
         summary = state["task"]
         mine = [r for r in rset.records if _shash(r.workload.mod) == summary.workload_hash]
-        searched = [r for r in database.get_all_tuning_records() if _shash(r.workload.mod) == summary.workload_hash]
+        searched = [
+            r for r in database.get_all_tuning_records() if _shash(r.workload.mod) == summary.workload_hash
+        ]
         recs = [r for r in mine if not _is_search_record(r)] + list(rule_records) + searched
         if not recs:
             return
@@ -1091,7 +1134,9 @@ def tune(
         times = [s for s in (_mean_secs(r) for r in recs) if s is not None]
         summary.best_us = min(times) * 1e6 if times else None
         entry = rset.manifest["tasks"][summary.workload_hash]
-        entry.update(trials=summary.trials, best_us=None if summary.best_us is None else round(summary.best_us, 4))
+        entry.update(
+            trials=summary.trials, best_us=None if summary.best_us is None else round(summary.best_us, 4)
+        )
         rset.save()
 
     with _interrupt_handling(state, say):
@@ -1107,13 +1152,28 @@ def tune(
                 _seed_database(database, rset, summary.workload_hash)
                 builder, runner = workers()
                 _measure_rule_plans(
-                    task, summary, rset.manifest["tasks"][summary.workload_hash], search_target, builder, runner,
-                    num_trials_per_iter, lambda recs, db=database: checkpoint(db, recs), bar, on_batch, state,
+                    task,
+                    summary,
+                    rset.manifest["tasks"][summary.workload_hash],
+                    search_target,
+                    builder,
+                    runner,
+                    num_trials_per_iter,
+                    lambda recs, db=database: checkpoint(db, recs),
+                    bar,
+                    on_batch,
+                    state,
                 )
                 todo = summary.budget - summary.trials
                 if todo > 0:
                     callback = _make_checkpoint_callback(
-                        ms, lambda db=database: checkpoint(db), bar, summary, f"{i + 1}/{len(tasks)}", on_batch, state
+                        ms,
+                        lambda db=database: checkpoint(db),
+                        bar,
+                        summary,
+                        f"{i + 1}/{len(tasks)}",
+                        on_batch,
+                        state,
                     )
                     ctx = ms.TuneContext(
                         mod=task.dispatched[0],
@@ -1126,20 +1186,21 @@ def tune(
                     ).clone()
                     _run_scheduler(
                         state,
-                        lambda: ms.tune.tune_tasks(
-                            tasks=[ctx],
-                            task_weights=[1.0],
-                            work_dir=str(path),
-                            max_trials_global=todo,
-                            max_trials_per_task=todo,
-                            num_trials_per_iter=min(num_trials_per_iter, todo),
-                            builder=builder,
-                            runner=runner,
-                            database=database,
-                            cost_model=ms.cost_model.XGBModel(num_tuning_cores=num_threads, adaptive_training=True),
-                            measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [callback],
-                            task_scheduler="round-robin",
-                        )
+                        ms.tune.tune_tasks,
+                        tasks=[ctx],
+                        task_weights=[1.0],
+                        work_dir=str(path),
+                        max_trials_global=todo,
+                        max_trials_per_task=todo,
+                        num_trials_per_iter=min(num_trials_per_iter, todo),
+                        builder=builder,
+                        runner=runner,
+                        database=database,
+                        cost_model=ms.cost_model.XGBModel(
+                            num_tuning_cores=num_threads, adaptive_training=True
+                        ),
+                        measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [callback],
+                        task_scheduler="round-robin",
                     )
                 checkpoint(database)
                 rset.manifest["tasks"][summary.workload_hash]["budget"] = summary.budget
@@ -1153,14 +1214,23 @@ def tune(
                 if tuned:
                     load_tensor_intrinsics()
                     verify_against_default(
-                        rset, mod, target, [t for t, s in zip(tasks, summaries) if s.best_us is not None],
-                        tuned, *workers(), rounds=verify_rounds, say=say if progress else None, again=verify_again,
+                        rset,
+                        mod,
+                        target,
+                        [t for t, s in zip(tasks, summaries) if s.best_us is not None],
+                        tuned,
+                        *workers(),
+                        rounds=verify_rounds,
+                        say=say if progress else None,
+                        again=verify_again,
                     )
         except KeyboardInterrupt:
             if state["task"] is not None:
                 with contextlib.suppress(Exception):
                     checkpoint(database)
-            say(f"interrupted: {sum(s.trials for s in summaries)} trials are saved in {path}; run again to resume")
+            say(
+                f"interrupted: {sum(s.trials for s in summaries)} trials are saved in {path}; run again to resume"
+            )
             raise
         finally:
             bar.close()
@@ -1170,8 +1240,9 @@ def tune(
     return TuneResult(path, summaries, time.time() - t_start, database=database, messages=messages)
 
 
-def _measure_rule_plans(task, summary, entry, target, builder, runner, batch_size, checkpoint, bar,
-                        on_batch, state) -> None:
+def _measure_rule_plans(
+    task, summary, entry, target, builder, runner, batch_size, checkpoint, bar, on_batch, state
+) -> None:
     """Measure the task's Contraction runner-up plans (see :func:`rule_candidates`) in batches and
     save them as tuning records (``checkpoint(records)``); ``entry["plans_measured"]`` makes a
     resumed run continue where this one stopped. They are kept out of the search's database:
@@ -1179,18 +1250,27 @@ def _measure_rule_plans(task, summary, entry, target, builder, runner, batch_siz
     schedule that already packs its weights."""
     ms = _ms()
     done = int(entry.get("plans_measured", 0))
-    schedules = rule_candidates(task.dispatched[0], target, first=done + 1, count=_rule_plan_share(summary.budget) - done)
+    schedules = rule_candidates(
+        task.dispatched[0], target, first=done + 1, count=_rule_plan_share(summary.budget) - done
+    )
     if not schedules:
         return
     workload = ms.database.Workload(task.dispatched[0])
     for start in range(0, len(schedules), max(batch_size, 1)):
-        batch = schedules[start:start + max(batch_size, 1)]
-        times = measure_modules(builder, runner, target, [(i, sch.mod) for i, sch in enumerate(batch)], rounds=1)
+        batch = schedules[start : start + max(batch_size, 1)]
+        times = measure_modules(
+            builder, runner, target, [(i, sch.mod) for i, sch in enumerate(batch)], rounds=1
+        )
         records = [
             ms.database.TuningRecord(
-                sch.trace, workload, [times[i]], target, ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True)
+                sch.trace,
+                workload,
+                [times[i]],
+                target,
+                ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True),
             )
-            for i, sch in enumerate(batch) if times.get(i) is not None
+            for i, sch in enumerate(batch)
+            if times.get(i) is not None
         ]
         entry["plans_measured"] = done = done + len(batch)
         checkpoint(records)
@@ -1232,7 +1312,9 @@ def _seed_database(database, rset: RecordSet, workload_hash: str) -> None:
         return
     wl = database.commit_workload(recs[0].workload.mod)
     for r in recs:
-        database.commit_tuning_record(ms.database.TuningRecord(r.trace, wl, r.run_secs, r.target, r.args_info))
+        database.commit_tuning_record(
+            ms.database.TuningRecord(r.trace, wl, r.run_secs, r.target, r.args_info)
+        )
 
 
 def _make_checkpoint_callback(ms, save, bar, summary: TaskSummary, position: str, on_batch, state):
@@ -1261,10 +1343,10 @@ def _make_checkpoint_callback(ms, save, bar, summary: TaskSummary, position: str
     return _Checkpoint()
 
 
-def _run_scheduler(state, fn):
+def _run_scheduler(state, fn, **kwargs):
     """Run the C++ task scheduler; give back the exception a Python callback raised inside it."""
     try:
-        return fn()
+        return fn(**kwargs)
     except BaseException as err:
         pending, state["pending"] = state["pending"], None
         if pending is not None:
@@ -1306,7 +1388,6 @@ def _progress_bar(total: int, enabled: bool):
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     return tqdm(total=total, unit="trial", desc="tuning", disable=not enabled, dynamic_ncols=True)
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -1429,7 +1510,9 @@ def _random_inputs(imported) -> dict:
         return random_inputs(imported.onnx_model)
     rng = np.random.default_rng(0)
     return {
-        s.name: rng.standard_normal([d if isinstance(d, int) and d > 0 else 1 for d in s.shape]).astype(s.dtype)
+        s.name: rng.standard_normal([d if isinstance(d, int) and d > 0 else 1 for d in s.shape]).astype(
+            s.dtype
+        )
         for s in imported.inputs
     }
 
@@ -1446,7 +1529,6 @@ def fuse_for_build(mod: tvm.IRModule, target, policy=None, options: dict | None 
     are keyed by PrimFunc hash, so tuning must see these very functions (same policy and options
     as the build, e.g. ``layout``, ``horizontal``)."""
     from .pipeline import pipeline_passes  # noqa: PLC0415
-
     from .schedules import mark_prepackable  # noqa: PLC0415
 
     target = parse_target(target)
@@ -1485,11 +1567,22 @@ def tune_model(
     (``rpc``, ``max_trials_per_task``, ``num_trials_per_iter``, ``progress``, ...)."""
     target = parse_target(target)
     imported = load_model(source, name)
-    mod = fuse(imported.mod, target) if fuse is not None else fuse_for_build(imported.mod, target, policy, options)
+    mod = (
+        fuse(imported.mod, target)
+        if fuse is not None
+        else fuse_for_build(imported.mod, target, policy, options)
+    )
     result = tune(
-        mod, target, model_name=imported.name, model_hash=imported.model_hash, trials=trials, log_root=log_root,
+        mod,
+        target,
+        model_name=imported.name,
+        model_hash=imported.model_hash,
+        trials=trials,
+        log_root=log_root,
         **tune_kwargs,
     )
     if measure:
-        result.speedup = measure_speedup(imported, target, tuning_logs=log_root, policy=policy, options=options)
+        result.speedup = measure_speedup(
+            imported, target, tuning_logs=log_root, policy=policy, options=options
+        )
     return result

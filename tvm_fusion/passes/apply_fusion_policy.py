@@ -18,7 +18,7 @@ each rejected candidate was rejected.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import tvm
@@ -76,10 +76,14 @@ class FusionReport:
         return [g for g in self.groups if len(g.nodes) > 1]
 
     def __str__(self) -> str:
-        lines = [f"function {self.function}: {len(self.groups)} kernels from "
-                 f"{sum(len(g.nodes) for g in self.groups)} ops, {len(self.fused_groups)} fused groups"]
+        lines = [
+            f"function {self.function}: {len(self.groups)} kernels from "
+            f"{sum(len(g.nodes) for g in self.groups)} ops, {len(self.fused_groups)} fused groups"
+        ]
         for group in self.fused_groups:
-            lines.append(f"  group {group.name}: " + " -> ".join(f"{n.var.name}={n.op_name}" for n in group.nodes))
+            lines.append(
+                f"  group {group.name}: " + " -> ".join(f"{n.var.name}={n.op_name}" for n in group.nodes)
+            )
         rejected = [d for d in self.decisions if not d.accepted]
         if rejected:
             lines.append("  rejected candidates:")
@@ -134,23 +138,41 @@ class FusionPlanner:
 
     def _judge(self, group: Group, consumer: Node, arg: relax.Var, uses) -> Decision:
         producer = group.last
-        edge = dict(producer=f"{producer.var.name}={producer.op_name}", consumer=f"{consumer.var.name}={consumer.op_name}")
+        edge = dict(
+            producer=f"{producer.var.name}={producer.op_name}",
+            consumer=f"{consumer.var.name}={consumer.op_name}",
+        )
         policy = self.policy
         if not policy.allows(producer.op_class, consumer.op_class):
             pair = f"{producer.op_class or producer.op_name} -> {consumer.op_class or consumer.op_name}"
             return Decision(**edge, accepted=False, reason=f"pair {pair} is not in the policy table")
         if uses.get(arg, 0) != 1:
-            return Decision(**edge, accepted=False, reason=f"producer output has {uses.get(arg, 0)} consumers (unique-consumer rule)")
+            return Decision(
+                **edge,
+                accepted=False,
+                reason=f"producer output has {uses.get(arg, 0)} consumers (unique-consumer rule)",
+            )
         if len(group.nodes) >= policy.max_fusion_depth:
-            return Decision(**edge, accepted=False, reason=f"group already has max_fusion_depth={policy.max_fusion_depth} ops")
+            return Decision(
+                **edge,
+                accepted=False,
+                reason=f"group already has max_fusion_depth={policy.max_fusion_depth} ops",
+            )
         if group.has_anchor and policy.is_anchor(consumer.op_class):
             return Decision(**edge, accepted=False, reason="group already holds an anchor op (conv/gemm)")
         if group.has_anchor and consumer.op_class not in policy.epilogue_classes:
-            return Decision(**edge, accepted=False, reason=f"{consumer.op_class} is not an epilogue class after an anchor")
+            return Decision(
+                **edge, accepted=False, reason=f"{consumer.op_class} is not an epilogue class after an anchor"
+            )
         benefit, detail = self.benefit_us(producer, consumer, arg)
         if policy.use_cost_model and benefit < policy.benefit_threshold_us:
-            return Decision(**edge, accepted=False, reason=f"cost model: benefit {benefit:.2f} us < threshold "
-                            f"{policy.benefit_threshold_us:.2f} us ({detail})", benefit_us=benefit)
+            return Decision(
+                **edge,
+                accepted=False,
+                reason=f"cost model: benefit {benefit:.2f} us < threshold "
+                f"{policy.benefit_threshold_us:.2f} us ({detail})",
+                benefit_us=benefit,
+            )
         return Decision(**edge, accepted=True, reason=detail, benefit_us=benefit)
 
     def benefit_us(self, producer: Node, consumer: Node, arg: relax.Var) -> tuple[float, str]:
@@ -167,8 +189,11 @@ class FusionPlanner:
         elif reads > 1 and intermediate > self.roofline.cache_bytes:
             saved_bytes = 0.0  # materialised inside the kernel, but it does not stay in cache
         roof = self.roofline
-        benefit = (saved_bytes / (roof.bandwidth_gbps * 1e3) - extra_flops / (roof.peak_gflops * 1e3)
-                   + roof.launch_overhead_us)
+        benefit = (
+            saved_bytes / (roof.bandwidth_gbps * 1e3)
+            - extra_flops / (roof.peak_gflops * 1e3)
+            + roof.launch_overhead_us
+        )
         detail = f"saves {saved_bytes / 1024:.0f} KiB, recomputes {extra_flops / 1e6:.2f} MFLOP"
         return benefit, detail
 
@@ -192,7 +217,7 @@ def _as_node(binding, policy: FusionPolicy) -> Node | None:
 def _tensor_var_args(call: relax.Call) -> Iterable[relax.Var]:
     seen = []
     for arg in call.args:
-        for item in (arg.fields if isinstance(arg, relax.Tuple) else [arg]):
+        for item in arg.fields if isinstance(arg, relax.Tuple) else [arg]:
             if isinstance(item, relax.Var) and item not in seen:
                 seen.append(item)
     return seen
@@ -254,7 +279,11 @@ def _target_or_current(target):
 
 def _planned_functions(mod: tvm.IRModule):
     for gvar, func in mod.functions.items():
-        if isinstance(func, relax.Function) and not _is_primitive(func) and isinstance(func.body, relax.SeqExpr):
+        if (
+            isinstance(func, relax.Function)
+            and not _is_primitive(func)
+            and isinstance(func.body, relax.SeqExpr)
+        ):
             yield gvar, func
 
 

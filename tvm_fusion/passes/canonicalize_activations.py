@@ -73,7 +73,7 @@ def _match_gelu(var, var2val):
     leaves = _factors(var, var2val)
     if len(leaves) != 3:
         return None
-    half = [l for l in leaves if (s := _scalar(l, var2val)) is not None and math.isclose(s, 0.5)]
+    half = [leaf for leaf in leaves if (s := _scalar(leaf, var2val)) is not None and math.isclose(s, 0.5)]
     if len(half) != 1:
         return None
     for one_plus in leaves:
@@ -84,7 +84,7 @@ def _match_gelu(var, var2val):
             if _scalar(one, var2val) != 1.0:
                 continue
             x = _erf_input(erf_part, var2val)
-            rest = [l for l in leaves if not l.same_as(one_plus) and not l.same_as(half[0])]
+            rest = [leaf for leaf in leaves if not leaf.same_as(one_plus) and not leaf.same_as(half[0])]
             if x is not None and len(rest) == 1 and rest[0].same_as(x):
                 return relax.op.nn.gelu(x)
     return None
@@ -93,7 +93,11 @@ def _match_gelu(var, var2val):
 def _tir_clamp(expr, var2val, mod):
     """``(kind, x, bound)`` for ``call_tir(maximum|minimum, (x, scalar_const))`` emitted by the frontend."""
     value = var2val.get(expr) if isinstance(expr, relax.Var) else expr
-    if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.call_tir"):
+    if not (
+        isinstance(value, relax.Call)
+        and isinstance(value.op, tvm.ir.Op)
+        and value.op.name == "relax.call_tir"
+    ):
         return None
     gvar, args = value.args[0], value.args[1]
     kind = gvar.name_hint.rstrip("0123456789")
@@ -176,4 +180,6 @@ def _rewrite(func: relax.Function, mod: tvm.IRModule | None = None) -> relax.Fun
         blocks.append(type(block)(bindings))
     if not changed:
         return None
-    return relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure, func.attrs)
+    return relax.Function(
+        func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure, func.attrs
+    )

@@ -318,7 +318,9 @@ class _Planner:
             if not isinstance(val, relax.TupleGetItem) or not val.tuple_value.same_as(bn_var):
                 return
             items[int(val.index)].append(user)
-        if len(items[0]) != 1 or any(v in self.looked or v in self.replaced for vs in items.values() for v in vs):
+        if len(items[0]) != 1 or any(
+            v in self.looked or v in self.replaced for vs in items.values() for v in vs
+        ):
             return
         y = items[0][0]
 
@@ -416,7 +418,13 @@ class _Planner:
             return False
         z = us[0]
         op = self._value(z)
-        if not isinstance(op, relax.Call) or z in self.looked or z in self.replaced or not op.args or not op.args[0].same_as(y):
+        if (
+            not isinstance(op, relax.Call)
+            or z in self.looked
+            or z in self.replaced
+            or not op.args
+            or not op.args[0].same_as(y)
+        ):
             return False
         if any(a.same_as(y) for a in op.args[1:]):
             return False
@@ -463,7 +471,9 @@ class _Planner:
         if o_axis < 0:
             return None
         new_conv = relax.Call(conv.op, [x, _const(new_w, dtype)], attrs)
-        return relax.op.add(new_conv, _const(bias.reshape(_channel_shape(len(out_shape), o_axis, cout)), dtype))
+        return relax.op.add(
+            new_conv, _const(bias.reshape(_channel_shape(len(out_shape), o_axis, cout)), dtype)
+        )
 
     def _matmul_absorbing_input(self, mm, x, dtype, s, t):
         weight = mm.args[1]

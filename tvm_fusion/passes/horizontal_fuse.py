@@ -61,7 +61,6 @@ structurally when the attribute was dropped by a later pass (the attribute survi
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import numpy as np
 import tvm
@@ -74,15 +73,43 @@ ATTR_KEY = "tvm_fusion.horizontal_fuse"
 _ELEMWISE_OPS = frozenset(
     "relax." + n
     for n in (
-        "nn.relu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "nn.leakyrelu", "sigmoid", "tanh",
-        "exp", "erf", "negative", "sqrt", "rsqrt", "abs", "log", "clip", "square", "floor",
-        "ceil", "round", "sin", "cos",
+        "nn.relu",
+        "nn.gelu",
+        "nn.gelu_tanh",
+        "nn.silu",
+        "nn.leakyrelu",
+        "sigmoid",
+        "tanh",
+        "exp",
+        "erf",
+        "negative",
+        "sqrt",
+        "rsqrt",
+        "abs",
+        "log",
+        "clip",
+        "square",
+        "floor",
+        "ceil",
+        "round",
+        "sin",
+        "cos",
     )
 )
 # Consumers a strided_slice fuses into (FuseOps: injective producer -> injective/elemwise consumer).
 _SLICE_FRIENDLY = _ELEMWISE_OPS | frozenset(
-    "relax." + n for n in ("reshape", "permute_dims", "expand_dims", "squeeze", "flatten", "add",
-                           "subtract", "multiply", "divide")
+    "relax." + n
+    for n in (
+        "reshape",
+        "permute_dims",
+        "expand_dims",
+        "squeeze",
+        "flatten",
+        "add",
+        "subtract",
+        "multiply",
+        "divide",
+    )
 )
 _MATMUL = "relax.matmul"
 _CONV2D = "relax.nn.conv2d"
@@ -91,13 +118,13 @@ _INF = float("inf")
 
 
 # -- small helpers ------------------------------------------------------------------------------
-def _op_name(expr) -> Optional[str]:
+def _op_name(expr) -> str | None:
     if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
         return expr.op.name
     return None
 
 
-def _static_shape(expr) -> Optional[tuple]:
+def _static_shape(expr) -> tuple | None:
     """Shape as a tuple of ints/None (None for symbolic dims); None if the rank is unknown."""
     ty = expr.ty
     if not isinstance(ty, relax.TensorType) or ty.shape is None:
@@ -117,7 +144,7 @@ def _is_const(expr) -> bool:
     return isinstance(expr, tvm.ir.Constant)
 
 
-def _const_value(expr, var2val, depth: int = 0) -> Optional[np.ndarray]:
+def _const_value(expr, var2val, depth: int = 0) -> np.ndarray | None:
     """The numpy value of a constant, looking through Var bindings of reshape/permute_dims."""
     if _is_const(expr):
         try:
@@ -143,7 +170,7 @@ def _const_value(expr, var2val, depth: int = 0) -> Optional[np.ndarray]:
     return None
 
 
-def _layout_axis(layout: str, letter: str) -> Optional[int]:
+def _layout_axis(layout: str, letter: str) -> int | None:
     """Axis of ``letter`` in a plain 4-letter layout (packed layouts like NCHW4c are refused)."""
     if len(layout) != 4 or not layout.isupper() or layout.count(letter) != 1:
         return None
@@ -171,12 +198,12 @@ class _Branch:
     pos: int  # index of the call's binding in its block
     call_var: relax.Var  # var bound to the matmul/conv2d/unary call
     call: relax.Call
-    weight: Optional[np.ndarray] = None
+    weight: np.ndarray | None = None
     width: int = 0  # size along the split axis
-    add_var: Optional[relax.Var] = None  # bias add using call_var (candidate)
-    bias: Optional[np.ndarray] = None
-    act_var: Optional[relax.Var] = None  # unary activation after the (bias-added) result
-    act: Optional[relax.Call] = None
+    add_var: relax.Var | None = None  # bias add using call_var (candidate)
+    bias: np.ndarray | None = None
+    act_var: relax.Var | None = None  # unary activation after the (bias-added) result
+    act: relax.Call | None = None
 
 
 @dataclasses.dataclass
@@ -186,7 +213,7 @@ class _Group:
     split_axis: int
     weight_axis: int = 0
     carry_bias: bool = False
-    lhs: Optional[relax.Var] = None
+    lhs: relax.Var | None = None
     slice_friendly: bool = False  # every output is read only by ops a strided_slice fuses into
 
     carry_act: bool = False
@@ -258,7 +285,7 @@ class _Planner:
             group.slice_friendly = all(self._slice_friendly(bi, v) for v in group.out_vars())
             groups.append(group)
         taken = {v for g in groups for v in g.dropped_vars()}  # e.g. activations carried above
-        for key, branches in elem_buckets.items():
+        for branches in elem_buckets.values():
             groups += self._elem_groups(bi, [b for b in branches if b.call_var not in taken])
         return groups
 
@@ -286,8 +313,17 @@ class _Planner:
             return None
         if str(w.dtype) != _dtype(rhs) or out_shape[-1] != w.shape[-1]:
             return None
-        key = ("matmul", len(out_shape) - 1, w.ndim - 1, lhs, w.shape[:-1], str(w.dtype), _dtype(var),
-               str(call.attrs.out_dtype), _dtype(lhs))
+        key = (
+            "matmul",
+            len(out_shape) - 1,
+            w.ndim - 1,
+            lhs,
+            w.shape[:-1],
+            str(w.dtype),
+            _dtype(var),
+            str(call.attrs.out_dtype),
+            _dtype(lhs),
+        )
         return key, _Branch(pi, var, call, weight=w, width=int(w.shape[-1]))
 
     # conv2d ---------------------------------------------------------------------------------
@@ -307,9 +343,22 @@ class _Planner:
             return None
         rest = tuple(d for i, d in enumerate(w.shape) if i != o_axis)
         ints = lambda arr: tuple(int(x) for x in arr)  # noqa: E731
-        key = ("conv2d", c_axis, o_axis, lhs, rest, str(w.dtype), _dtype(var), str(a.out_dtype),
-               ints(a.strides), ints(a.padding), ints(a.dilation), str(a.data_layout),
-               str(a.kernel_layout), out_layout)
+        key = (
+            "conv2d",
+            c_axis,
+            o_axis,
+            lhs,
+            rest,
+            str(w.dtype),
+            _dtype(var),
+            str(a.out_dtype),
+            ints(a.strides),
+            ints(a.padding),
+            ints(a.dilation),
+            str(a.data_layout),
+            str(a.kernel_layout),
+            out_layout,
+        )
         return key, _Branch(pi, var, call, weight=w, width=int(w.shape[o_axis]))
 
     # bias -----------------------------------------------------------------------------------
@@ -370,8 +419,11 @@ class _Planner:
                 return False
             if first is None:
                 first = value
-            elif not (value.op.same_as(first.op) and tvm_ffi.structural_equal(value.args[1:], first.args[1:])
-                      and tvm_ffi.structural_equal(value.attrs, first.attrs)):
+            elif not (
+                value.op.same_as(first.op)
+                and tvm_ffi.structural_equal(value.args[1:], first.args[1:])
+                and tvm_ffi.structural_equal(value.attrs, first.attrs)
+            ):
                 return False
             br.act_var, br.act = binding.var, value
         return True
@@ -380,7 +432,8 @@ class _Planner:
         block = self.func.body.blocks[bi]
         sites = self.uses.get(var, [])
         return bool(sites) and all(
-            b == bi and _op_name(block.bindings[p].value) in _SLICE_FRIENDLY for b, p in sites)
+            b == bi and _op_name(block.bindings[p].value) in _SLICE_FRIENDLY for b, p in sites
+        )
 
     # elementwise ------------------------------------------------------------------------------
     def _elem_key(self, var, call):
@@ -413,9 +466,11 @@ class _Planner:
             chosen, rest, last_input, first_use, inputs = [], [], -1, _INF, []
             for br in remaining:
                 x = br.call.args[0]
-                if any(x.same_as(i) for i in inputs + [c.call_var for c in chosen]) or not tvm_ffi.structural_equal(
-                        br.call.args[1:], remaining[0].call.args[1:]) or not tvm_ffi.structural_equal(
-                        br.call.attrs, remaining[0].call.attrs):
+                if (
+                    any(x.same_as(i) for i in inputs + [c.call_var for c in chosen])
+                    or not tvm_ffi.structural_equal(br.call.args[1:], remaining[0].call.args[1:])
+                    or not tvm_ffi.structural_equal(br.call.attrs, remaining[0].call.attrs)
+                ):
                     rest.append(br)
                     continue
                 q = max(last_input, self.def_pos.get(x, -1))
@@ -470,17 +525,21 @@ class _Rewriter(relax.PyExprMutator):
             cat = bb.emit(relax.op.concat(xs, axis=0), "hfuse_concat")
             tmpl = g.branches[0].call
             args = [cat] + [self.visit_expr(a) for a in tmpl.args[1:]]
-            y = bb.emit(relax.Call(tmpl.op, args, tmpl.attrs, tmpl.ty_args), "hfuse_" + tmpl.op.name.split(".")[-1])
+            y = bb.emit(
+                relax.Call(tmpl.op, args, tmpl.attrs, tmpl.ty_args), "hfuse_" + tmpl.op.name.split(".")[-1]
+            )
             widths = [int(_static_shape(br.call_var)[0]) for br in g.branches]
         else:
             tmpl = g.branches[0].call
             x = self.visit_expr(g.lhs)
-            w = relax.const(np.ascontiguousarray(np.concatenate([br.weight for br in g.branches], axis=g.weight_axis)))
+            w = relax.const(
+                np.ascontiguousarray(np.concatenate([br.weight for br in g.branches], axis=g.weight_axis))
+            )
             y = bb.emit(relax.Call(tmpl.op, [x, w], tmpl.attrs, tmpl.ty_args), "hfuse_" + g.kind)
             if g.carry_bias:
                 bias = np.concatenate([br.bias for br in g.branches], axis=g.split_axis)
                 rank = max(br.bias.ndim for br in g.branches)  # drop leading broadcast 1s
-                bias = bias.reshape(bias.shape[bias.ndim - rank:]) if rank < bias.ndim else bias
+                bias = bias.reshape(bias.shape[bias.ndim - rank :]) if rank < bias.ndim else bias
                 y = bb.emit(relax.op.add(y, relax.const(np.ascontiguousarray(bias))), "hfuse_bias")
             if g.carry_act:
                 act = g.branches[0].act
@@ -490,13 +549,16 @@ class _Rewriter(relax.PyExprMutator):
         bounds = [0] + [int(v) for v in np.cumsum(widths)]
         # elementwise groups always split: FuseOps folds concat -> op -> split into one kernel
         use_slices = g.kind != "elementwise" and (
-            self.output_op == "strided_slice" or (self.output_op == "auto" and g.slice_friendly))
+            self.output_op == "strided_slice" or (self.output_op == "auto" and g.slice_friendly)
+        )
         if not use_slices:
             parts = bb.emit(relax.op.split(y, bounds[1:-1], axis=g.split_axis), "hfuse_split")
             items = [relax.TupleGetItem(parts, i) for i in range(len(widths))]
         else:  # one slice per branch: each can fuse into its (injective) consumer
-            items = [relax.op.strided_slice(y, [g.split_axis], [lo], [hi], assume_inbound=True)
-                     for lo, hi in zip(bounds[:-1], bounds[1:])]
+            items = [
+                relax.op.strided_slice(y, [g.split_axis], [lo], [hi], assume_inbound=True)
+                for lo, hi in zip(bounds[:-1], bounds[1:])
+            ]
         for var, item in zip(g.out_vars(), items):
             bb.emit_normalized(relax.VarBinding(var, bb.normalize(item)))
 
@@ -540,20 +602,33 @@ class HorizontalFuse:
         always use ``split`` (concat -> op -> split fuses into one kernel).
     """
 
-    def __init__(self, min_branches: int = 2, fuse_matmul: bool = True, fuse_conv2d: bool = True,
-                 fuse_elementwise: bool = False, elementwise_max_numel: int = 16384,
-                 carry_bias: bool = True, carry_activation: bool = True, output_op: str = "split",
-                 max_fused_width: Optional[int] = None):
+    def __init__(
+        self,
+        min_branches: int = 2,
+        fuse_matmul: bool = True,
+        fuse_conv2d: bool = True,
+        fuse_elementwise: bool = False,
+        elementwise_max_numel: int = 16384,
+        carry_bias: bool = True,
+        carry_activation: bool = True,
+        output_op: str = "split",
+        max_fused_width: int | None = None,
+    ):
         if min_branches < 2:
             raise ValueError("min_branches must be >= 2")
         if output_op not in ("split", "strided_slice", "auto"):
             raise ValueError(f"output_op must be 'split', 'strided_slice' or 'auto', not {output_op!r}")
         self.output_op = output_op
-        self.opts = dict(min_branches=int(min_branches), matmul=bool(fuse_matmul),
-                         conv2d=bool(fuse_conv2d), elementwise=bool(fuse_elementwise),
-                         elementwise_max_numel=int(elementwise_max_numel), carry_bias=bool(carry_bias),
-                         carry_activation=bool(carry_activation),
-                         max_fused_width=None if max_fused_width is None else int(max_fused_width))
+        self.opts = dict(
+            min_branches=int(min_branches),
+            matmul=bool(fuse_matmul),
+            conv2d=bool(fuse_conv2d),
+            elementwise=bool(fuse_elementwise),
+            elementwise_max_numel=int(elementwise_max_numel),
+            carry_bias=bool(carry_bias),
+            carry_activation=bool(carry_activation),
+            max_fused_width=None if max_fused_width is None else int(max_fused_width),
+        )
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         stats = {"groups": 0, "branches": 0, "matmul": 0, "conv2d": 0, "elementwise": 0}
@@ -619,7 +694,7 @@ def count_horizontal_groups(mod: tvm.IRModule) -> dict:
     return stats
 
 
-def _source_kind(var, var2val) -> Optional[str]:
+def _source_kind(var, var2val) -> str | None:
     src = var2val.get(var)
     if _op_name(src) in _ELEMWISE_OPS and isinstance(src.args[0], relax.Var):
         src = var2val.get(src.args[0])  # elementwise group's op, or a carried activation

@@ -48,13 +48,31 @@ _LT = Op.get("relax.layout_transform")
 _CALL_TIR = Op.get("relax.call_tir")
 
 _UNARY = {
-    "relax.nn.relu", "relax.clip", "relax.nn.silu", "relax.nn.gelu", "relax.nn.gelu_tanh",
-    "relax.sigmoid", "relax.tanh", "relax.exp", "relax.negative", "relax.abs", "relax.sqrt",
-    "relax.rsqrt", "relax.square", "relax.astype", "relax.nn.leakyrelu", "relax.erf",
+    "relax.nn.relu",
+    "relax.clip",
+    "relax.nn.silu",
+    "relax.nn.gelu",
+    "relax.nn.gelu_tanh",
+    "relax.sigmoid",
+    "relax.tanh",
+    "relax.exp",
+    "relax.negative",
+    "relax.abs",
+    "relax.sqrt",
+    "relax.rsqrt",
+    "relax.square",
+    "relax.astype",
+    "relax.nn.leakyrelu",
+    "relax.erf",
 }
 _BINARY = {
-    "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum",
-    "relax.minimum", "relax.power",
+    "relax.add",
+    "relax.subtract",
+    "relax.multiply",
+    "relax.divide",
+    "relax.maximum",
+    "relax.minimum",
+    "relax.power",
 }
 _POOL = {"relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d"}
 _GPU_KINDS = {"cuda", "rocm", "vulkan", "metal", "opencl", "webgpu"}
@@ -233,7 +251,9 @@ def legalize_conv2d_nchwc(bb: relax.BlockBuilder, call: relax.Call):
         return None  # symbolic shapes: not supported
     groups = int(attrs.groups)
     cin = dshape[1] * dshape[4]
-    depthwise = groups > 1 and groups == cin and kshape[1] == 1 and kshape[4] == 1 and kshape[0] * kshape[5] == cin
+    depthwise = (
+        groups > 1 and groups == cin and kshape[1] == 1 and kshape[4] == 1 and kshape[0] * kshape[5] == cin
+    )
     if depthwise:
         if not int(dm.group(1)) == int(om.group(1)) == int(km.group(2)) or int(km.group(1)) != 1:
             return None
@@ -457,8 +477,12 @@ class _LayoutRewriter(relax.PyExprMutator):
             x = self._in(call.args[0], lay)
             if name == "relax.nn.adaptive_avg_pool2d":
                 osize = call.attrs.output_size
-                return lay, fn(x, output_size=None if osize is None else [int(v) for v in osize],
-                               layout=lay.name, out_layout=lay.name)
+                return lay, fn(
+                    x,
+                    output_size=None if osize is None else [int(v) for v in osize],
+                    layout=lay.name,
+                    out_layout=lay.name,
+                )
             kw = dict(
                 pool_size=[int(v) for v in call.attrs.pool_size],
                 strides=[int(v) for v in call.attrs.strides],
@@ -478,8 +502,12 @@ class _LayoutRewriter(relax.PyExprMutator):
             axes = sorted(int(a) % 4 for a in call.attrs.axis)
             if axes != [2, 3]:
                 return None
-            fn = {"relax.mean": relax.op.mean, "relax.sum": relax.op.sum,
-                  "relax.max": relax.op.max, "relax.min": relax.op.min}[name]
+            fn = {
+                "relax.mean": relax.op.mean,
+                "relax.sum": relax.op.sum,
+                "relax.max": relax.op.max,
+                "relax.min": relax.op.min,
+            }[name]
             return lay, fn(self._in(call.args[0], lay), axis=lay.spatial_axes, keepdims=True)
         return None
 
@@ -490,20 +518,29 @@ class _LayoutRewriter(relax.PyExprMutator):
         data, weight = call.args
         if not isinstance(weight, _Const):
             return None
-        dshape, oshape, wshape = _static_shape(data), _static_shape(call), [int(x) for x in weight.value.shape]
+        dshape, oshape, wshape = (
+            _static_shape(data),
+            _static_shape(call),
+            [int(x) for x in weight.value.shape],
+        )
         if dshape is None or oshape is None:
             return None
         cin, cout, groups = dshape[1], oshape[1], int(a.groups)
         w = weight.value.numpy()
         lay = self.layout
-        common = dict(strides=[int(x) for x in a.strides], padding=[int(x) for x in a.padding],
-                      dilation=[int(x) for x in a.dilation], groups=groups,
-                      out_dtype=_out_dtype(a))
+        common = dict(
+            strides=[int(x) for x in a.strides],
+            padding=[int(x) for x in a.padding],
+            dilation=[int(x) for x in a.dilation],
+            groups=groups,
+            out_dtype=_out_dtype(a),
+        )
         if lay.block == 0:
             new_w = relax.const(np.ascontiguousarray(w.transpose(0, 2, 3, 1)))
             x = self._in(data, lay)
-            return lay, relax.op.nn.conv2d(x, new_w, data_layout="NHWC", kernel_layout="OHWI",
-                                           out_layout="NHWC", **common)
+            return lay, relax.op.nn.conv2d(
+                x, new_w, data_layout="NHWC", kernel_layout="OHWI", out_layout="NHWC", **common
+            )
         b = lay.block
         depthwise = groups > 1 and groups == cin == cout and wshape[1] == 1
         if groups != 1 and not depthwise:
@@ -529,8 +566,9 @@ class _LayoutRewriter(relax.PyExprMutator):
             klayout = f"OIHW{ib}i{ob}o"
         x = self._in(data, in_lay)
         new_w = relax.const(np.ascontiguousarray(new_w))
-        return lay, relax.op.nn.conv2d(x, new_w, data_layout=in_lay.name, kernel_layout=klayout,
-                                       out_layout=lay.name, **common)
+        return lay, relax.op.nn.conv2d(
+            x, new_w, data_layout=in_lay.name, kernel_layout=klayout, out_layout=lay.name, **common
+        )
 
     def _binary(self, call, out_shape):
         lay = None
@@ -563,7 +601,12 @@ class _LayoutRewriter(relax.PyExprMutator):
     def _call_tir(self, call, out_shape):
         """call_tir to an elementwise PrimFunc (e.g. the ONNX importer's Clip): relayout its buffers."""
         gvar, args = call.args[0], call.args[1]
-        if not isinstance(args, relax.Tuple) or len(call.args) != 2 or out_shape is None or len(out_shape) != 4:
+        if (
+            not isinstance(args, relax.Tuple)
+            or len(call.args) != 2
+            or out_shape is None
+            or len(out_shape) != 4
+        ):
             return None
         lay = None
         for arg in args.fields:
@@ -720,7 +763,11 @@ def count_layout_transforms(mod: tvm.IRModule, include_permute_dims: bool = Fals
     lt_funcs = set()
     for gv, func in mod.functions.items():
         if isinstance(func, tvm.tirx.PrimFunc):
-            opname = str(func.attrs["operator_name"]) if func.attrs and "operator_name" in func.attrs.keys() else ""
+            opname = (
+                str(func.attrs["operator_name"])
+                if func.attrs and "operator_name" in func.attrs.keys()
+                else ""
+            )
             if "layout_transform" in gv.name_hint or "layout_transform" in opname:
                 lt_funcs.add(gv.name_hint)
     count = 0

@@ -34,7 +34,13 @@ def default_rules(target) -> list:
     """The ScheduleRules for target, most specific first."""
     target = _target(target)
     if is_gpu(target):
-        return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+        return [
+            dl.gpu.Matmul(),
+            dl.gpu.GEMV(),
+            dl.gpu.Reduction(),
+            dl.gpu.GeneralReduction(),
+            dl.gpu.Fallback(),
+        ]
     return cpu_rules()
 
 
@@ -71,7 +77,11 @@ def apply_default_schedules(target, prepack: bool = True) -> tvm.transform.Pass:
     Tuned records go between the two halves (see ``pipeline_passes``).
     """
     passes = mark_prepackable(target, prepack) + default_schedule_passes(target, prepack)
-    return passes[0] if len(passes) == 1 else tvm.transform.Sequential(passes, name="tvm_fusion.ApplyDefaultSchedules")
+    return (
+        passes[0]
+        if len(passes) == 1
+        else tvm.transform.Sequential(passes, name="tvm_fusion.ApplyDefaultSchedules")
+    )
 
 
 __all__ = [

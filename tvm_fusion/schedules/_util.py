@@ -88,8 +88,10 @@ def _is_split_plane(region, var) -> bool:
     hi, lo = region.region[-2].min, region.region[-1].min
     width = region.source.shape[-1]
     return (
-        isinstance(hi, tirx.FloorDiv) and isinstance(lo, tirx.FloorMod)
-        and hi.a.same_as(var) and lo.a.same_as(var)
+        isinstance(hi, tirx.FloorDiv)
+        and isinstance(lo, tirx.FloorMod)
+        and hi.a.same_as(var)
+        and lo.a.same_as(var)
         and all(isinstance(x, tirx.IntImm) and int(x) == int(width) for x in (hi.b, lo.b))
     )
 

@@ -45,17 +45,16 @@ from tvm import tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
-from .plane import flatten_plane, inline_plain_copies
 from ._util import (
     LAYOUT_REWRITE_PREPROC,
     CpuRule,
-    logger,
     access_class,
     bare_var_dim,
     divisors_upto,
     int_extent,
     last_dim_stride,
     linear_coeff,
+    logger,
     num_cores,
     num_vector_registers,
     reachable_blocks,
@@ -65,6 +64,7 @@ from ._util import (
     uses_var,
     vector_lanes,
 )
+from .plane import flatten_plane, inline_plain_copies
 
 GATHER_PENALTY = 10.0  # a strided operand along the vector axis: one load per lane
 PACK_PENALTY = 0.05  # packing a constant weight costs nothing at run time: only a tie-breaker
@@ -140,8 +140,13 @@ class Contraction(CpuRule):
             return None
         v_it, vt, row_it, rt, cost = plans[self.plan_rank]
         logger.debug(
-            "Contraction %s: vector %s/%d row %s/%d cost %.2f", stmt.name_hint, v_it.var, vt,
-            None if row_it is None else row_it.var, rt, cost,
+            "Contraction %s: vector %s/%d row %s/%d cost %.2f",
+            stmt.name_hint,
+            v_it.var,
+            vt,
+            None if row_it is None else row_it.var,
+            rt,
+            cost,
         )
 
         # ---- inline everything that is not a direct producer of the main block -------------------
@@ -178,14 +183,18 @@ class Contraction(CpuRule):
         inner = ([row_i] if row_i is not None else []) + ([v_m] if v_m is not None else []) + [v_i]
         blocking = None
         if CACHE_BLOCKING and not small:
-            blocking = _cache_block_plan(main_info, reads, layout_free, v_it, vt, row_it, rt, outer, slots, target)
+            blocking = _cache_block_plan(
+                main_info, reads, layout_free, v_it, vt, row_it, rt, outer, slots, target
+            )
         if blocking is None:
             sch.reorder(*outer, *r_loops, *inner)
             fused = sch.fuse(*outer)
             init_at = r_loops[0]
         else:
             n_par, chunk = blocking
-            logger.debug("Contraction %s: %d parallel loops, reduction chunk %d", stmt.name_hint, n_par, chunk)
+            logger.debug(
+                "Contraction %s: %d parallel loops, reduction chunk %d", stmt.name_hint, n_par, chunk
+            )
             k_o, k_i = sch.split(r_loops[0], factors=[None, chunk])
             sch.reorder(*outer[:n_par], k_o, *outer[n_par:], k_i, *r_loops[1:], *inner)
             fused = sch.fuse(*outer[:n_par]) if n_par > 1 else outer[0]
@@ -225,7 +234,11 @@ class Contraction(CpuRule):
         if v_dim is not None and v_dim != ndim - 1:
             perm = [d for d in range(ndim) if d != v_dim] + [v_dim]
             sch.transform_layout(
-                main, ("write", 0), tirx.IndexMap.from_func(lambda *i: [i[d] for d in perm], ndim=ndim, index_dtype=_idx_dtype(stmt))
+                main,
+                ("write", 0),
+                tirx.IndexMap.from_func(
+                    lambda *i: [i[d] for d in perm], ndim=ndim, index_dtype=_idx_dtype(stmt)
+                ),
             )
         if row_i is not None:
             sch.unroll(row_i)
@@ -349,7 +362,10 @@ class Contraction(CpuRule):
                         cost *= math.ceil(ntiles / cores) * cores / max(ntiles, 1)
                         # ties: rows along the output's contiguous dim (broadcast operands then
                         # walk memory contiguously), then the narrower vector (smaller packed panel)
-                        row_last = row_it is not None and _out_dim_of(out_region, row_it.var) == len(out_region.region) - 1
+                        row_last = (
+                            row_it is not None
+                            and _out_dim_of(out_region, row_it.var) == len(out_region.region) - 1
+                        )
                         key = (round(cost, 3), -acc, not row_last, vt)
                         plan = (v_it, vt, row_it if rt > 1 else None, rt)
                         ranked[plan] = min(key, ranked.get(plan, key))
@@ -397,7 +413,11 @@ class Contraction(CpuRule):
                 if d is None or int(buf.shape[d]) != it.dom or it.dom % tile != 0:
                     continue
                 blocked.append((d, tile, which))
-            if not blocked or (len(blocked) == 1 and blocked[0][0] == len(buf.shape) - 1 and int(buf.shape[-1]) == blocked[0][1]):
+            if not blocked or (
+                len(blocked) == 1
+                and blocked[0][0] == len(buf.shape) - 1
+                and int(buf.shape[-1]) == blocked[0][1]
+            ):
                 continue  # nothing to gain
             ndim = len(buf.shape)
             vec = [b for b in blocked if b[2] == 0]
@@ -410,7 +430,9 @@ class Contraction(CpuRule):
             index_map = _make_pack_map(outer_order, blocked_dims, row, vec, ndim)
             cached = sch.cache_read(main, idx, "global")
             sch.transform_layout(
-                main, ("read", idx), tirx.IndexMap.from_func(index_map, ndim=ndim, index_dtype=_idx_dtype(stmt))
+                main,
+                ("read", idx),
+                tirx.IndexMap.from_func(index_map, ndim=ndim, index_dtype=_idx_dtype(stmt)),
             )
             sch.annotate(cached, LAYOUT_REWRITE_PREPROC, True)
 
@@ -447,7 +469,11 @@ def _cache_block_plan(main_info, reads, layout_free, v_it, vt, row_it, rt, outer
     outer_vars[slots[0]] = v_it.var
     if len(slots) > 1:
         outer_vars[slots[1]] = row_it.var
-    cands = [r for r in reads if access_class(r, v_it.var) != "invariant" and access_class(r, r0.var) != "invariant"]
+    cands = [
+        r
+        for r in reads
+        if access_class(r, v_it.var) != "invariant" and access_class(r, r0.var) != "invariant"
+    ]
     if not cands:
         return None
     panel = ([r for r in cands if r.source in layout_free] + cands)[0]
@@ -622,7 +648,9 @@ def _vectorize_row_inner(sch, blk, lanes):
     if _binds_reduction(sch, blk, inner):
         # an rf block (compute_at put its lanes axis first): reduction loops out, lanes in
         spatial = [lp for lp in loops if not _binds_reduction(sch, blk, lp) and int_extent(sch, lp) == lanes]
-        if spatial and try_primitive(sch.reorder, *[lp for lp in loops if lp is not spatial[-1]], spatial[-1]):
+        if spatial and try_primitive(
+            sch.reorder, *[lp for lp in loops if lp is not spatial[-1]], spatial[-1]
+        ):
             try_primitive(sch.vectorize, sch.get_loops(blk)[-1])
             r_loops = [lp for lp in sch.get_loops(blk)[1:] if _binds_reduction(sch, blk, lp)]
             if r_loops and st.init is not None:
@@ -648,7 +676,9 @@ def _binds_reduction(sch, blk, loop) -> bool:
     var = sch.get(loop).loop_var
     realize = _get_sblockrealize(sch, blk)
     for it, val in zip(sch.get(blk).iter_vars, realize.iter_values):
-        if it.iter_type != tirx.IterVar.DataPar and any(v.same_as(var) for v in tirx.analysis.undefined_vars(val)):
+        if it.iter_type != tirx.IterVar.DataPar and any(
+            v.same_as(var) for v in tirx.analysis.undefined_vars(val)
+        ):
             return True
     return False
 

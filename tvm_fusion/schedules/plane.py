@@ -80,13 +80,17 @@ def flatten_plane(sch, main_info) -> bool:
         for region in list(stmt.reads) + list(stmt.writes):
             buf = region.source
             if buf not in params and tuple(int(d) for d in buf.shape[-2:]) == plane:
-                writer = next((b for b in blocks if any(w.source.same_as(buf) for w in sch.get(b).writes)), None)
+                writer = next(
+                    (b for b in blocks if any(w.source.same_as(buf) for w in sch.get(b).writes)), None
+                )
                 if writer is None:
                     return False  # written outside the plane blocks (e.g. a padded copy)
                 flat[buf.name] = (buf, writer)
     for buf, writer in flat.values():
         index = next(i for i, w in enumerate(sch.get(writer).writes) if w.source.same_as(buf))
-        sch.transform_layout(writer, ("write", index), _merge_map(len(buf.shape), len(buf.shape) - 2, plane[1]))
+        sch.transform_layout(
+            writer, ("write", index), _merge_map(len(buf.shape), len(buf.shape) - 2, plane[1])
+        )
     for blk, (hi, _) in zip(blocks, pairs):
         sch.transform_block_layout(blk, _merge_map(len(sch.get(blk).iter_vars), hi, plane[1]))
     return True
@@ -96,7 +100,7 @@ def _merge_map(ndim: int, at: int, width: int) -> tirx.IndexMap:
     """``(.., i[at], i[at + 1], ..) -> (.., i[at] * width + i[at + 1], ..)``."""
 
     def merge(*i):
-        return [*i[:at], i[at] * width + i[at + 1], *i[at + 2:]]
+        return [*i[:at], i[at] * width + i[at + 1], *i[at + 2 :]]
 
     return tirx.IndexMap.from_func(merge, ndim=ndim, index_dtype="int64")
 
@@ -111,7 +115,9 @@ def _plane_iters(block, plane) -> tuple[int, int] | None:
             continue
         if h.iter_type != tirx.IterVar.DataPar or w.iter_type != tirx.IterVar.DataPar:
             continue
-        if all(_plane_access(region, h.var, w.var, plane) for region in list(block.reads) + list(block.writes)):
+        if all(
+            _plane_access(region, h.var, w.var, plane) for region in list(block.reads) + list(block.writes)
+        ):
             return k, k + 1
     return None
 
