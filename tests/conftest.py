@@ -23,7 +23,12 @@ def cpu_target():
 
 def run_relax(mod: tvm.IRModule, feeds, target=None) -> np.ndarray:
     """Compile ``mod`` with plain tvm.compile on the CPU and run ``main``."""
-    vm = relax.VirtualMachine(tvm.compile(mod, target=target or llvm_target()), tvm.cpu())
+    return run_executable(tvm.compile(mod, target=target or llvm_target()), feeds)
+
+
+def run_executable(executable, feeds) -> np.ndarray:
+    """Run a compiled module's ``main`` on the CPU; feeds as a dict (in input order) or a list."""
+    vm = relax.VirtualMachine(executable, tvm.cpu())
     args = [tvm.runtime.tensor(v) for v in (feeds.values() if isinstance(feeds, dict) else feeds)]
     out = vm["main"](*args)
     return out.numpy() if hasattr(out, "numpy") else [o.numpy() for o in out]
