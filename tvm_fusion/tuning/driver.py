@@ -19,7 +19,7 @@ from typing import Any
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-from ..errors import TuningRecordError
+from ..errors import TuningRecordError, TvmFusionError
 from ..frontend import as_imported
 from ..pipeline import unscheduled_module
 from ..shape_cache import symbolic_dims
@@ -177,7 +177,7 @@ def tune(
     target = parse_target(target)
     say = log or (lambda msg: print(msg, file=sys.stderr))
     if int(trials) < 0:
-        raise TuningRecordError(f"trials must be 0 or more, got {trials}")
+        raise TvmFusionError(f"trials must be 0 or more, got {trials}")
     check_can_tune(target, rpc)
     check_environment()
     path = record_dir(log_root, model_name, target)
