@@ -12,6 +12,8 @@ from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wild
 
 from tvm_fusion import models
 from tvm_fusion.frontend import import_onnx
+from tvm_fusion.legalize import stock_legalization
+from tvm_fusion.legalize.nchwc_conv import legalize_conv2d_nchwc
 from tvm_fusion.passes import rewrite_layout as rl
 from tvm_fusion.passes.rewrite_layout import RewriteLayout, choose_layout, count_layout_transforms
 from tvm_fusion.targets import llvm_target
@@ -307,8 +309,8 @@ def test_stock_conv2d_legalization_refuses_nchwc():
     with bb.function("main", [x]):
         with bb.dataflow():
             call = bb.normalize(call)
-            assert rl._stock_conv2d_legalize(bb, call).same_as(call)
-            out = bb.emit_output(rl.legalize_conv2d_nchwc(bb, call))
+            assert stock_legalization("relax.nn.conv2d")(bb, call).same_as(call)
+            out = bb.emit_output(legalize_conv2d_nchwc(bb, call))
         bb.emit_func_output(out)
     mod = bb.get()
     (prim,) = [f for gv, f in mod.functions.items() if gv.name_hint == "conv2d_NCHWc"]

@@ -438,11 +438,11 @@ def _reduction_loop_layout(func, block):
     """For each loop around block (outermost first): 'R' if it binds a reduction iter, else 'S'."""
     from tvm import s_tir
 
-    from tvm_fusion.schedules.fallback import _get_sblockrealize
+    from tvm_fusion.schedules.fallback import get_sblock_realize
 
     sch = s_tir.Schedule(func)
     blk = sch.get_sblock(block)
-    stmt, realize = sch.get(blk), _get_sblockrealize(sch, blk)
+    stmt, realize = sch.get(blk), get_sblock_realize(sch, blk)
     r_vars = [
         v
         for it, val in zip(stmt.iter_vars, realize.iter_values)
@@ -647,7 +647,10 @@ def test_two_contractions_are_declined():
 
 # -- fast GELU legalization -------------------------------------------------------------------
 def test_fast_gelu_legalization_is_vectorizable_and_switchable():
-    from tvm_fusion.schedules import fast_gelu, fast_gelu_enabled
+    from tvm_fusion.legalize import register
+    from tvm_fusion.legalize.fast_gelu import fast_gelu, fast_gelu_enabled
+
+    register()
 
     mod = _module({"x": (4, 64)}, lambda bb, x: relax.op.nn.gelu(x))
     x = np.linspace(-7, 7, 256, dtype="float32").reshape(4, 64)

@@ -24,6 +24,7 @@ import tvm
 from tvm import relax
 
 from .errors import TvmFusionError, last_line
+from .legalize import register as register_legalizations
 from .passes import ApplyFusionPolicy, CanonicalizeActivations, FoldBatchNorm, HorizontalFuse, RewriteLayout
 from .policy import FusionPolicy
 from .schedules import default_schedule_passes, mark_prepackable
@@ -77,6 +78,7 @@ def pipeline_stages(
     """The passes of :func:`pipeline`, by stage (see :func:`pipeline_passes` for the options)."""
     target = parse_target(target)
     policy = FusionPolicy.coerce(policy)
+    register_legalizations()  # LegalizeOps below lowers NCHW{c} convs and GELU our way
     horizontal = policy.horizontal if horizontal is None else horizontal
     rewrite: list[tvm.transform.Pass] = []
     if fold_batch_norm:

@@ -9,6 +9,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .ir import is_primitive
 from .passes.rewrite_layout import count_layout_transforms  # noqa: F401  (re-exported: one definition)
 
 
@@ -22,7 +23,7 @@ def _calls(mod: tvm.IRModule, include_primitive: bool = False):
     """Every relax.Call in the module's (non-primitive) Relax functions."""
     found = []
     for _, func in _relax_functions(mod):
-        if not include_primitive and func.attrs is not None and "Primitive" in func.attrs.keys():
+        if not include_primitive and is_primitive(func):
             continue
         relax.analysis.post_order_visit(
             func, lambda e: found.append(e) if isinstance(e, relax.Call) else None
