@@ -7,6 +7,7 @@ import functools
 import numpy as np
 import pytest
 import tvm
+from conftest import ort_run, run_relax
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
 
@@ -56,17 +57,12 @@ def _prepared(name: str):
 @functools.cache
 def _reference(name: str) -> np.ndarray:
     """The unconverted model's output (onnxruntime: cheaper than compiling the NCHW module)."""
-    import onnxruntime as ort
-
     model = _model(name)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, models.random_inputs(model))[0]
+    return ort_run(model, models.random_inputs(model))
 
 
 def _run(mod, feeds):
-    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(ZNVER3)), tvm.cpu())
-    out = vm["main"](*[tvm.runtime.tensor(v) for v in feeds.values()])
-    return out.numpy()
+    return run_relax(mod, feeds, tvm.target.Target(ZNVER3))
 
 
 def _calls(mod, op_name, func_name="main"):

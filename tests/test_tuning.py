@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from conftest import run_executable
+from conftest import ort_run, run_executable
 
 import tvm_fusion
 from tvm_fusion import files, frontend, models, targets, tuning
@@ -40,13 +40,6 @@ def _fused(model, target):
     """The module the real build schedules (project pipeline, schedule=False)."""
     imported = frontend.import_onnx(model)
     return imported, unscheduled_module(imported.mod, target)
-
-
-def _ort(model, inputs):
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, inputs)[0]
 
 
 def _set_task_fields(path: Path, **fields):
@@ -245,7 +238,7 @@ def test_records_not_faster_than_default_are_not_applied(ms_ready, cpu, tmp_path
     assert db_all is not None and report_all.num_applied == 1
     inputs = models.random_inputs(model)
     np.testing.assert_allclose(
-        run_executable(built.executable, inputs), _ort(model, inputs), rtol=1e-4, atol=1e-4
+        run_executable(built.executable, inputs), ort_run(model, inputs), rtol=1e-4, atol=1e-4
     )
 
 
@@ -402,7 +395,7 @@ def test_tune_model_records_are_used_by_the_real_build(ms_ready, cpu, tmp_path):
     assert sum(1 for t in res.tasks if t.applied) == winners
 
     inputs = models.random_inputs(model)
-    reference = _ort(model, inputs)
+    reference = ort_run(model, inputs)
     untuned = tvm_fusion.build(model, "llvm", name="mlp_bn", tuning_logs=None)
     built = tvm_fusion.build(model, "llvm", name="mlp_bn", tuning_logs=tmp_path)
     assert built.tuned_kernels == winners  # every record matched; losers were left out
@@ -545,7 +538,7 @@ def test_rule_plans_are_tuning_candidates(ms_ready, cpu, tmp_path):
     assert (64, 48) not in [tuple(int(d) for d in p.shape) for p in kernel.params]  # weight pre-packed
     inputs = models.random_inputs(model)
     np.testing.assert_allclose(
-        run_executable(built.executable, inputs), _ort(model, inputs), rtol=1e-4, atol=1e-4
+        run_executable(built.executable, inputs), ort_run(model, inputs), rtol=1e-4, atol=1e-4
     )
 
 
