@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from conftest import ort_run, run_relax
 from tvm import relax, te, tirx, topi
 from tvm.s_tir import dlight as dl
@@ -676,3 +677,31 @@ def test_tiny_contraction_stays_single_threaded():
         kinds = loop_kinds(func)
         assert tirx.ForKind.PARALLEL not in kinds and tirx.ForKind.VECTORIZED in kinds, kinds
     np.testing.assert_allclose(_run(sched, [x]), x @ w, rtol=1e-5, atol=1e-5)
+
+
+# -- the tuner's space over the Contraction rule's decisions ----------------------------------------
+@pytest.mark.parametrize("model_name", ["resnet_block_net", "transformer_block"])
+def test_rule_space_contains_the_default_schedule(model_name):
+    """With every decision at its default (the cost model's plan), the schedule the tuner builds is
+    the untuned kernel, structurally: tuning can never start worse than untuned."""
+    from tvm_fusion.frontend import import_onnx
+    from tvm_fusion.pipeline import unscheduled_module
+    from tvm_fusion.tuning import extract_tasks, rule_space
+
+    model = models.EXAMPLES[model_name]()
+    mod = unscheduled_module(import_onnx(model).mod, ZNVER3)
+    spaces = 0
+    for task in extract_tasks(mod, ZNVER3):
+        func = task.dispatched[0]["main"]
+        space = rule_space(func, ZNVER3)
+        if space is None:
+            continue
+        spaces += 1
+        default = Contraction().apply(func, ZNVER3, False)
+        at_default, effective = space.schedule(func, ZNVER3, (0,) * len(space.names))
+        assert effective == (0,) * len(space.names)
+        tvm.ir.assert_structural_equal(at_default.mod, default.mod)
+        # and another point is another schedule
+        other = space.schedule(func, ZNVER3, (1,) + (0,) * (len(space.names) - 1))
+        assert other is not None and not tvm_ffi.structural_equal(other[0].mod, default.mod)
+    assert spaces >= 3  # the convs / GEMMs of the model have spaces

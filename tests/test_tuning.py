@@ -512,13 +512,16 @@ def test_incompatible_records_are_moved_aside_when_tuning(fabricated, cpu, tmp_p
     assert json.loads((path / tuning.MANIFEST_FILE).read_text())["model_hash"] == "feedfacefeedface"
 
 
-def test_rule_plans_are_tuning_candidates(ms_ready, cpu, tmp_path):
-    """Before the search, half of a task's budget measures the Contraction rule's runner-up
-    plans; they are records like the search's (saved, replayed by the build with pre-packed
-    weights) but never seed the search."""
+def test_rule_space_is_searched_and_its_records_replay(ms_ready, cpu, tmp_path):
+    """A kernel our Contraction rule schedules is tuned over the rule's own decisions: the default
+    point is measured first, each record's trace replays to exactly the schedule the rule makes
+    for its point, and the build applies the records and matches ORT."""
     model = _tiny_model((64, 48), batch=16)
     imported, mod = _fused(model, cpu)
     (task,) = tuning.extract_tasks(mod, cpu)
+    func = task.dispatched[0]["main"]
+    space = tuning.rule_space(func, cpu)
+    assert space is not None and space.names[0] == "plan" and space.size > 4
     res = tuning.tune(
         mod,
         cpu,
@@ -527,26 +530,40 @@ def test_rule_plans_are_tuning_candidates(ms_ready, cpu, tmp_path):
         trials=4,
         log_root=tmp_path,
         num_trials_per_iter=2,
-        population_size=32,
         progress=False,
         check_default=False,
     )
     rset = tuning.read_record_set(res.record_dir)
-    rule = [r for r in rset.records if not tuning.records.is_search_record(r)]
-    assert len(rset.records) == 4 and len(rule) == 2
-    assert [e["plans_measured"] for e in rset.manifest["tasks"].values()] == [2]
-    for rec, sch in zip(rule, tuning.rule_candidates(task.dispatched[0], cpu, first=1, count=2)):
-        tvm.ir.assert_structural_equal(rec.as_measure_candidate().sch.mod, sch.mod)
+    (entry,) = rset.manifest["tasks"].values()
+    assert entry["space"] == dict(zip(space.names, space.counts))
+    points = [tuple(p) for p in entry["space_measured"]]
+    assert len(rset.records) == 4 and len(set(points)) == 4 and (0,) * len(space.names) in points
+    replayed = [rec.as_measure_candidate().sch.mod for rec in rset.records]
+    for point in points:  # every measured point is one of the records, instruction for instruction
+        made = space.schedule(func, cpu, point)[0].mod
+        assert any(tvm_ffi.structural_equal(made, r) for r in replayed)
 
-    only_rule = tuning.RecordSet(rset.path, rset.manifest, rset.workloads, rule)
-    built = tvm_fusion.build(model, "llvm", database=only_rule.to_database())
+    built = tvm_fusion.build(model, "llvm", database=rset.to_database())
     assert built.tuned_kernels == 1
-    (kernel,) = [f for _, f in built.lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
-    assert (64, 48) not in [tuple(int(d) for d in p.shape) for p in kernel.params]  # weight pre-packed
     inputs = models.random_inputs(model)
     np.testing.assert_allclose(
         run_executable(built.executable, inputs), ort_run(model, inputs), rtol=1e-4, atol=1e-4
     )
+
+    # resuming measures only new points
+    more = tuning.tune(
+        mod,
+        cpu,
+        model_name=imported.name,
+        model_hash=imported.model_hash,
+        trials=6,
+        log_root=tmp_path,
+        num_trials_per_iter=2,
+        progress=False,
+        check_default=False,
+    )
+    (entry,) = tuning.read_record_set(more.record_dir).manifest["tasks"].values()
+    assert more.new_trials == 2 and len({tuple(p) for p in entry["space_measured"]}) == 6
 
 
 def test_verify_again_retimes_stored_verdicts(fabricated, cpu, tmp_path):

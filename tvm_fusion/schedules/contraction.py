@@ -65,6 +65,7 @@ from ._util import (
     vector_lanes,
 )
 from .fallback import get_sblock_realize, schedule_nest
+from .knobs import Knobs
 from .plane import flatten_plane, inline_plain_copies
 
 GATHER_PENALTY = 10.0  # a strided operand along the vector axis: one load per lane
@@ -75,6 +76,7 @@ TILE_OVERHEAD_CYCLES = 100  # per tile: loop, accumulator init, pointer set-up (
 SHORT_STRIDE_PENALTY = 0.5  # per unit of stride: `stride` vector loads and shuffles per vector
 ODD_VECTOR_PENALTY = 3.0  # vector axis extent not a multiple of the SIMD width
 MAX_ROWS = 8
+MAX_PLAN_CHOICES = 32  # micro-kernel plans the tuner may pick from (the model's best first)
 SHORT_TILE_FMAS = 1024  # below: accumulate in the global intermediate (see apply)
 # Cache blocking of the reduction (see _cache_block_plan). L1D is 32 KiB on every x86 core this
 # targets (znver2-4, Skylake..Sapphire Rapids have 32-48 KiB); half of it holds the panel chunk,
@@ -90,14 +92,21 @@ PARALLEL_MIN_MACS = 1 << 16
 
 
 class Contraction(CpuRule):
-    """Register-tiled, parallel, vectorized schedule for a single reduction block + epilogue."""
+    """Register-tiled, parallel, vectorized schedule for a single reduction block + epilogue.
 
-    def __init__(self, prepack: bool = True, max_rows: int = MAX_ROWS, plan_rank: int = 0):
-        """``plan_rank`` picks the cost model's n-th best micro-kernel plan instead of its best:
-        tuning measures the runners-up (``tuning.rule_candidates``), since the model is a guess."""
+    Its decisions are tunable (:mod:`.knobs`): ``plan`` (the cost model's n-th best micro-kernel:
+    vector and row iters, their tiles; at most ``MAX_PLAN_CHOICES``), ``block`` (the model's cache
+    blocking of the reduction, none, or a chunk for half / twice the L1 budget) and ``acc``
+    (accumulator tile in a local buffer or in the intermediate). ``knobs`` forces decisions
+    (``{"plan": 2}``); the tuner searches them, since the model is a guess. ``last_knobs`` holds the
+    decisions of the last ``apply`` (how many choices each had).
+    """
+
+    def __init__(self, prepack: bool = True, max_rows: int = MAX_ROWS, knobs: dict[str, int] | None = None):
         self.prepack = prepack
         self.max_rows = max_rows
-        self.plan_rank = plan_rank
+        self.knobs = dict(knobs or {})
+        self.last_knobs: Knobs | None = None
 
     @safe_rule
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
@@ -105,6 +114,7 @@ class Contraction(CpuRule):
         if opened is None:
             return None
         sch, infos = opened
+        knobs = self.last_knobs = Knobs(self.knobs, tunable)
         reductions = [b for b in infos if not b.is_injective()]
         # pointwise convs: inline the input copy, then GEMM over the flattened H*W plane (plane.py)
         if len(reductions) == 1 and inline_plain_copies(sch, reductions[0].block_rv):
@@ -137,9 +147,9 @@ class Contraction(CpuRule):
         layout_free = _layout_free_buffers(func) if self.prepack else set()
 
         plans = self._plans(main_info, stmt, reads, layout_free, target, str(out_buf.dtype))
-        if len(plans) <= self.plan_rank:
+        if not plans:
             return None
-        v_it, vt, row_it, rt, cost = plans[self.plan_rank]
+        v_it, vt, row_it, rt, cost = plans[knobs.choose(sch, "plan", min(len(plans), MAX_PLAN_CHOICES))]
         logger.debug(
             "Contraction %s: vector %s/%d row %s/%d cost %.2f",
             stmt.name_hint,
@@ -184,9 +194,18 @@ class Contraction(CpuRule):
         inner = ([row_i] if row_i is not None else []) + ([v_m] if v_m is not None else []) + [v_i]
         blocking = None
         if CACHE_BLOCKING and not small:
-            blocking = _cache_block_plan(
-                main_info, reads, layout_free, v_it, vt, row_it, rt, outer, slots, target
-            )
+            options = []
+            for budget in (PANEL_BYTES, 0, PANEL_BYTES // 2, PANEL_BYTES * 2):
+                plan = (
+                    _cache_block_plan(
+                        main_info, reads, layout_free, v_it, vt, row_it, rt, outer, slots, target, budget
+                    )
+                    if budget
+                    else None
+                )
+                if plan not in options:
+                    options.append(plan)
+            blocking = options[knobs.choose(sch, "block", len(options))]
         if blocking is None:
             sch.reorder(*outer, *r_loops, *inner)
             fused = sch.fuse(*outer)
@@ -217,9 +236,11 @@ class Contraction(CpuRule):
         # stays in the (compacted) global intermediate and LLVM keeps it in registers via LICM.
         r_total = math.prod(it.dom for it in main_info.iters if it.kind == "R")
         tile_fmas = rt * math.ceil(vt / lanes) * r_total
-        acc_scope = "local" if tile_fmas >= SHORT_TILE_FMAS else "global"
         if blocking is not None:
             acc_scope = "global"  # the whole task's accumulators, persisting across chunks
+        else:
+            scopes = ["local", "global"] if tile_fmas >= SHORT_TILE_FMAS else ["global", "local"]
+            acc_scope = scopes[knobs.choose(sch, "acc", 2)]
         if epilogue is not None:
             if acc_scope == "local":
                 sch.set_scope(main, 0, "local")
@@ -451,7 +472,9 @@ class Contraction(CpuRule):
             try_primitive(sch.unroll, lp)
 
 
-def _cache_block_plan(main_info, reads, layout_free, v_it, vt, row_it, rt, outer, slots, target):
+def _cache_block_plan(
+    main_info, reads, layout_free, v_it, vt, row_it, rt, outer, slots, target, panel_bytes=PANEL_BYTES
+):
     """Cache blocking of the reduction: ``(n_par, chunk)`` or None (keep the plain tile loop).
 
     The *panel* is the operand that moves with the vector iter and the reduction (the packed
@@ -498,9 +521,9 @@ def _cache_block_plan(main_info, reads, layout_free, v_it, vt, row_it, rt, outer
         spans = [(v_it.var, vt), (r0.var, chunk)] + [(it.var, it.dom) for it in r_iters[1:]]
         return _region_bytes(panel, spans, elem)
 
-    if footprint(r0_dom) <= PANEL_BYTES:
+    if footprint(r0_dom) <= panel_bytes:
         return None  # the whole panel of a tile already stays in L1
-    fits = [d for d in divisors_upto(r0_dom, r0_dom - 1) if footprint(d) <= PANEL_BYTES]
+    fits = [d for d in divisors_upto(r0_dom, r0_dom - 1) if footprint(d) <= panel_bytes]
     if not fits:
         return None
     chunk = fits[-1]

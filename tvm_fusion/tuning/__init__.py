@@ -5,10 +5,12 @@ One job per module, as in Meta-Schedule itself:
 * ``environment`` — what tuning needs from this Python environment; a slow TVM import made fast.
 * ``records`` — the record store ``<root>/<model>/<target-key>/`` (Meta-Schedule JSON database +
   manifest): atomic writes, one writer at a time, checks before reuse, ``load_records`` for the build.
-* ``tasks`` — one task per fused kernel, budgets, our rule's runner-up plans as candidates.
+* ``tasks`` — one task per fused kernel, budgets, each task's default schedule.
+* ``rule_space`` — the search over our own rule's decisions (where our rule schedules the kernel).
 * ``workers`` — the persistent local builder, the runner, side-by-side timing.
 * ``fleet`` — measuring on the servers under a TVM RPC tracker key (checked before work starts).
-* ``search`` — the search for one task, saved batch by batch; Ctrl-C and SIGTERM handling.
+* ``search`` — the search for one task (rule space, else Meta-Schedule's own), saved batch by
+  batch; Ctrl-C and SIGTERM handling.
 * ``verify`` — each task's best record timed next to its default schedule.
 * ``driver`` — ``tune`` (a fused module) and ``tune_model`` (an ONNX model, example or IRModule).
 
@@ -39,8 +41,9 @@ from .records import (
     slower_than_default,
     workload_key,
 )
+from .rule_space import RuleSpace, RuleSpaceSearch, rule_space
 from .search import TaskSummary
-from .tasks import RULE_CANDIDATES, default_schedule_modules, extract_tasks, rule_candidates, split_budget
+from .tasks import default_schedule_modules, extract_tasks, split_budget
 from .workers import check_can_tune, tuning_target
 
 __all__ = [
@@ -48,7 +51,6 @@ __all__ = [
     "MANIFEST_FORMAT",
     "MIN_GAIN",
     "RECORD_FILE",
-    "RULE_CANDIDATES",
     "FleetRunner",
     "Tracker",
     "check_fleet",
@@ -57,6 +59,8 @@ __all__ = [
     "RecordLock",
     "RecordReport",
     "RecordSet",
+    "RuleSpace",
+    "RuleSpaceSearch",
     "TaskSummary",
     "TuneResult",
     "beats_default",
@@ -73,7 +77,7 @@ __all__ = [
     "plan_tasks",
     "read_record_set",
     "record_dir",
-    "rule_candidates",
+    "rule_space",
     "safe_folder_name",
     "slower_than_default",
     "split_budget",

@@ -23,8 +23,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from .records import RecordSet, beats_default, is_search_record, mean_secs, workload_key
-from .tasks import rule_candidates, rule_plan_share
-from .workers import measure_modules
+from .rule_space import RuleSpaceSearch, SpaceProgress, rule_space
 
 INTERRUPTED_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -149,17 +148,39 @@ class TaskSearch:
         self.bar = bar
         self.stop = stop
         self.on_batch = on_batch
+        self.progress: SpaceProgress | None = None  # the rule-space search's, for the manifest
+        self._kept: list = []  # the task's records from earlier runs that the database lacks
         self.pending: BaseException | None = None  # raised in a callback, on its way through C++
 
     def run(self, task, summary: TaskSummary, position: str) -> None:
-        """Rule plans, then the search, until the task's budget is measured; saves as it goes."""
+        """Search until the task's budget is measured, saving as it goes: over our rule's decisions
+        when our rule schedules the kernel (:mod:`.rule_space`), else Meta-Schedule's own space."""
         database = ms.database.MemoryDatabase()
-        self._seed(database, summary.workload_key)
+        # what is on disk and will not be in the database: every record but the Meta-Schedule
+        # search's own, which seed its database below
+        self._kept = [r for r in self.rset.records_of(summary.workload_key) if not is_search_record(r)]
+        task_mod = task.dispatched[0]
+        space = rule_space(task_mod["main"], self.target)
+        entry = self.rset.manifest["tasks"][summary.workload_key]
+        self.progress = None
+        if space is not None:
+            self.progress = SpaceProgress(measured={tuple(p) for p in entry.get("space_measured", [])})
+            entry["space"] = dict(zip(space.names, space.counts))
+            generator = ms.space_generator.ScheduleFn(
+                lambda sch: space.schedule(sch.mod["main"], self.target, (0,) * len(space.names))[0],
+                sch_rules=[],
+                postprocs=[],
+                mutator_probs={},
+            )
+            strategy = RuleSpaceSearch(space, self.progress, self.settings.seed + summary.trials)
+        else:
+            self._seed(database, summary.workload_key)
+            generator = "post-order-apply"
+            strategy = ms.search_strategy.EvolutionarySearch(population_size=self.settings.population_size)
         try:
-            self._measure_rule_plans(task, summary, database)
             todo = summary.budget - summary.trials
             if todo > 0:
-                self._search(task, summary, database, todo, position)
+                self._search(task, summary, database, todo, position, generator, strategy)
         finally:
             self.checkpoint(summary, database)
         self.rset.manifest["tasks"][summary.workload_key]["budget"] = summary.budget
@@ -169,22 +190,24 @@ class TaskSearch:
         with self.stop.saving():
             self.rset.save()
 
-    def checkpoint(self, summary: TaskSummary, database, rule_records=()) -> None:
-        """Put the task's records (earlier ones, new rule plans, the search database's) into the
-        record set and save it atomically."""
+    def checkpoint(self, summary: TaskSummary, database) -> None:
+        """Put the task's records (earlier ones kept on disk, this run's from the search database)
+        into the record set and save it atomically."""
         key = summary.workload_key
-        earlier_rules = [r for r in self.rset.records_of(key) if not is_search_record(r)]
         searched = [r for r in database.get_all_tuning_records() if workload_key(r.workload.mod) == key]
-        records = earlier_rules + list(rule_records) + searched
+        records = self._kept + searched
         if not records:
             return
         self.rset.records = [r for r in self.rset.records if workload_key(r.workload.mod) != key] + records
         summary.trials = len(records)
         times = [s for s in map(mean_secs, records) if s is not None]
         summary.best_us = min(times) * 1e6 if times else None
-        self.rset.manifest["tasks"][key].update(
+        entry = self.rset.manifest["tasks"][key]
+        entry.update(
             trials=summary.trials, best_us=None if summary.best_us is None else round(summary.best_us, 4)
         )
+        if self.progress is not None:
+            entry["space_measured"] = self.progress.done()
         self.save()
 
     def _batch_done(self, summary: TaskSummary, count: int, position: str = "") -> None:
@@ -206,47 +229,15 @@ class TaskSearch:
                     ms.database.TuningRecord(r.trace, wl, r.run_secs, r.target, r.args_info)
                 )
 
-    def _measure_rule_plans(self, task, summary: TaskSummary, database) -> None:
-        """Measure the task's Contraction runner-up plans (``tasks.rule_candidates``) in batches and
-        save them as tuning records; ``plans_measured`` in the manifest makes a resumed run go on
-        where this one stopped. They stay out of the search's database: the search replays its
-        seeds through Meta-Schedule's postprocessors, which abort on a schedule that already packs
-        its weights."""
-        entry = self.rset.manifest["tasks"][summary.workload_key]
-        done = int(entry.get("plans_measured", 0))
-        task_mod = task.dispatched[0]
-        schedules = rule_candidates(
-            task_mod, self.target, first=done + 1, count=rule_plan_share(summary.budget) - done
-        )
-        workload = ms.database.Workload(task_mod)
-        size = max(self.settings.num_trials_per_iter, 1)
-        for start in range(0, len(schedules), size):
-            batch = schedules[start : start + size]
-            times = measure_modules(
-                self.builder, self.runner, self.target, list(enumerate(s.mod for s in batch)), 1
-            )
-            records = [
-                ms.database.TuningRecord(
-                    sch.trace,
-                    workload,
-                    [times[i]],
-                    self.target,
-                    ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True),
-                )
-                for i, sch in enumerate(batch)
-                if times.get(i) is not None
-            ]
-            entry["plans_measured"] = done = done + len(batch)
-            self.checkpoint(summary, database, records)
-            self._batch_done(summary, len(batch))
-
-    def _search(self, task, summary: TaskSummary, database, todo: int, position: str) -> None:
+    def _search(
+        self, task, summary: TaskSummary, database, todo: int, position: str, generator, strategy
+    ) -> None:
         settings = self.settings
         context = ms.TuneContext(
             mod=task.dispatched[0],
             target=self.target,
-            space_generator="post-order-apply",
-            search_strategy=ms.search_strategy.EvolutionarySearch(population_size=settings.population_size),
+            space_generator=generator,
+            search_strategy=strategy,
             task_name=task.task_name,
             num_threads=settings.num_threads,
             rand_state=settings.seed + summary.trials,
