@@ -24,11 +24,13 @@ from tvm import relax
 
 from . import models
 from .api import build
+from .files import write_json_atomic
 from .frontend import as_imported, import_onnx
 from .policy import Roofline
 from .profiling import kernel_times
 from .report import estimated_bytes, kernel_count, model_flops
 from .targets import device_for, llvm_target, parse_target, target_key
+from .tuning.records import MANIFEST_FILE, record_dir
 
 
 @dataclasses.dataclass
@@ -96,8 +98,8 @@ def vm_variant(label, executable, lowered, feeds, note="") -> _Variant:
         label,
         lambda: vm["main"](*args),
         vm["main"](*args).numpy(),
-        kernel_count(lowered),
-        estimated_bytes(lowered),
+        None if lowered is None else kernel_count(lowered),
+        None if lowered is None else estimated_bytes(lowered),
         note,
         vm,
         args,
@@ -112,6 +114,44 @@ def stock_build(model, target):
     return tvm.compile(mod, target=target), mod
 
 
+def stock_ms_tuned_build(model, target, trials: int, work_dir: Path, log=print):
+    """What a TVM user would otherwise do: stock fusion, Meta-Schedule's default space and search
+    (``tune_relax``) with ``trials`` trials, the records applied to the stock-fused module. Returns ``(executable, trials, tuning
+    seconds)``; the records (and the time they took) are kept in ``work_dir`` and reused, so the
+    benchmark tunes only once per budget."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from .tuning.environment import load_tensor_intrinsics
+    from .tuning.workers import PersistentLocalBuilder
+
+    mod = import_onnx(model).mod
+    with target:
+        mod = relax.get_pipeline("zero")(mod)  # stock fusion, as in stock_build
+    work_dir = Path(work_dir)
+    stamp = work_dir / "stock_tuning.json"
+    done = json.loads(stamp.read_text()) if stamp.exists() else {}
+    load_tensor_intrinsics()
+    if done.get("trials", -1) < trials:
+        log(f"  stock Meta-Schedule: tuning {trials} trials into {work_dir}")
+        start = time.perf_counter()
+        database = ms.relax_integration.tune_relax(
+            mod,
+            params={},
+            target=target,
+            work_dir=str(work_dir),
+            max_trials_global=trials,
+            num_trials_per_iter=16,
+            builder=PersistentLocalBuilder(os.cpu_count() or 1),
+        )
+        done = {"trials": trials, "seconds": round(time.perf_counter() - start, 1)}
+        write_json_atomic(stamp, done)
+    else:
+        database = ms.database.JSONDatabase(work_dir=str(work_dir))
+    with target, database:
+        mod = relax.transform.MetaScheduleApplyDatabase()(mod)
+    return tvm.compile(mod, target=target), done["trials"], done["seconds"]
+
+
 def benchmark_model(
     name: str,
     model,
@@ -124,6 +164,7 @@ def benchmark_model(
     variants=("onnxruntime", "stock", "untuned", "tuned", "unfused"),
     rounds: int = 3,
     log=print,
+    stock_tuning_logs: Path | None = None,
 ) -> list[Row]:
     """Build every variant, check it against ONNX Runtime, then time them in interleaved rounds.
 
@@ -149,9 +190,13 @@ def benchmark_model(
         built.append(
             vm_variant("tvm_fusion untuned", result.executable, result.lowered, feeds, "default schedules")
         )
+    tuned_trials = 0
     if "tuned" in variants:
         result = build(model, target, name=name, tuning_logs=tuning_logs)
         if result.records_status == "ok":  # timed even when no record beat its default schedule
+            manifest = json.loads((record_dir(tuning_logs, name, target) / MANIFEST_FILE).read_text())
+            tuned_trials = int(manifest.get("num_records", 0))
+            seconds = manifest.get("tuning_seconds")
             built.append(
                 vm_variant(
                     "tvm_fusion tuned",
@@ -159,7 +204,8 @@ def benchmark_model(
                     result.lowered,
                     feeds,
                     f"{result.tuned_kernels} of {result.tuned_kernels + result.default_kernels} kernel "
-                    f"functions from tuning_logs/{name}/{target_key(target)} (the rest: defaults won)",
+                    f"functions from tuning_logs/{name}/{target_key(target)} (the rest: defaults won); "
+                    f"{tuned_trials} trials" + (f" in {seconds / 60:.1f} min" if seconds else ""),
                 )
             )
         else:
@@ -176,6 +222,19 @@ def benchmark_model(
                 )
             )
             log(f"  tuned: skipped ({result.records_note})")
+    if "stock tuned" in variants and stock_tuning_logs is not None and tuned_trials:
+        executable, trials, seconds = stock_ms_tuned_build(
+            model, target, tuned_trials, Path(stock_tuning_logs) / name / target_key(target), log
+        )
+        built.append(
+            vm_variant(
+                "stock Meta-Schedule tuned",
+                executable,
+                None,
+                feeds,
+                f"stock fusion + tune_relax (default space), {trials} trials (same budget) in {seconds / 60:.1f} min",
+            )
+        )
     if "unfused" in variants:
         result = build(model, target, name=name, tuning_logs=None, fusion=False)
         built.append(
@@ -342,6 +401,7 @@ def run(
     target=None,
     log=print,
     rounds: int = 5,
+    stock_tuning_logs: str | Path | None = None,
 ) -> Path:
     target = target or llvm_target()
     out_dir = Path(out_dir)
@@ -355,7 +415,16 @@ def run(
         model = make()
         limits[name] = model_roofline_ms(model, roof, target)
         all_rows += benchmark_model(
-            name, model, target, runs=runs, warmup=warmup, tuning_logs=tuning_logs, log=log, rounds=rounds
+            name,
+            model,
+            target,
+            runs=runs,
+            warmup=warmup,
+            tuning_logs=tuning_logs,
+            log=log,
+            rounds=rounds,
+            variants=("onnxruntime", "stock", "untuned", "tuned", "stock tuned", "unfused"),
+            stock_tuning_logs=stock_tuning_logs,
         )
     report = format_markdown(all_rows, limits, roof, target, runs, warmup, rounds)
     md_path = out_dir / ("benchmarks.md" if suite == "full" else f"benchmarks_{suite}.md")
@@ -400,6 +469,32 @@ def format_markdown(
             f"{_fmt(r.ratio_vs_ort, '.2f')} | {_fmt(r.kernels, 'd')} | {_fmt(mb, '.1f')} | "
             f"{_fmt(r.max_abs_err, '.1e')} | {r.note} |"
         )
+    tuning_lines = []
+    for name in dict.fromkeys(r.model for r in rows):
+        by = {r.variant: r for r in rows if r.model == name}
+        untuned, tuned, stock = (
+            by.get(v) for v in ("tvm_fusion untuned", "tvm_fusion tuned", "stock Meta-Schedule tuned")
+        )
+        if tuned is None or not tuned.median_ms or untuned is None or not untuned.median_ms:
+            continue
+        vs_stock = stock.median_ms / tuned.median_ms if stock is not None and stock.median_ms else None
+        tuning_lines.append(
+            f"| {name} | {untuned.median_ms / tuned.median_ms:.2f}x | {_fmt(tuned.ratio_vs_ort, '.2f')} | "
+            f"{_fmt(None if stock is None else stock.median_ms, '.3f')} | {_fmt(vs_stock, '.2f')} | {tuned.note} |"
+        )
+    if tuning_lines:
+        lines += [
+            "",
+            "## Tuning",
+            "",
+            "Tuned vs untuned (both tvm_fusion), and tvm_fusion tuned vs stock Meta-Schedule tuned with the "
+            "same number of trials (stock fusion, Meta-Schedule's default space and evolutionary search), "
+            "from the rows above.",
+            "",
+            "| model | tuned speed-up over untuned | tuned × ORT | stock MS tuned ms | tuned speed-up over stock MS tuned | records |",
+            "| --- | ---: | ---: | ---: | ---: | --- |",
+            *tuning_lines,
+        ]
     lines += [
         "",
         "## Distance from the machine limit",
@@ -430,24 +525,37 @@ def format_markdown(
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[Row], path: Path) -> None:
+def plot(rows: list[Row], path: Path, clip: float = 3.0) -> None:
+    """Latency relative to ONNX Runtime per model and variant, on a linear axis (1.0 = ORT, lower is
+    faster); bars above ``clip`` (stock TVM untuned is 20-200x) are cut and labelled with their value."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(r.model for r in rows))
-    variants = list(dict.fromkeys(r.variant for r in rows))
-    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        sub = {r.variant: r.median_ms for r in rows if r.model == name}
-        vals = [sub.get(v) or 0.0 for v in variants]
-        ax.bar(range(len(variants)), vals, color=[f"C{i}" for i in range(len(variants))])
-        ax.set_yscale("log")
-        ax.set_title(name)
-        ax.set_ylabel("median latency, ms (log)")
-        ax.set_xticks(range(len(variants)))
-        ax.set_xticklabels(variants, rotation=35, ha="right", fontsize=8)
+    variants = [v for v in dict.fromkeys(r.variant for r in rows) if v != "onnxruntime"]
+    width = 0.8 / max(len(variants), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.9 * len(names) + 2), 4.2))
+    for k, variant in enumerate(variants):
+        xs, heights = [], []
+        for i, name in enumerate(names):
+            row = next((r for r in rows if r.model == name and r.variant == variant), None)
+            if row is not None and row.ratio_vs_ort:
+                xs.append(i + (k - (len(variants) - 1) / 2) * width)
+                heights.append(row.ratio_vs_ort)
+        bars = ax.bar(xs, [min(h, clip) for h in heights], width, label=variant, color=f"C{k}")
+        for bar, h in zip(bars, heights):
+            if h > clip:
+                ax.text(
+                    bar.get_x() + bar.get_width() / 2, clip, f"{h:.0f}x", ha="center", va="bottom", fontsize=7
+                )
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_ylim(0, clip * 1.08)
+    ax.set_ylabel("latency / ONNX Runtime (lower is faster)")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -470,6 +578,12 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--tuning-logs", default="tuning_logs")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
+    parser.add_argument(
+        "--stock-tuning-logs",
+        default=None,
+        help="also time stock Meta-Schedule tuned with our trial budget (records kept in this folder, "
+        "e.g. tuning_logs_stock; tunes once per model)",
+    )
     args = parser.parse_args(argv)
     runs = args.runs or (5 if args.quick else 30)
     suite = args.suite or ("quick" if args.quick else "full")
@@ -480,5 +594,6 @@ def main(argv=None) -> int:
         warmup=2 if args.quick else 5,
         tuning_logs=args.tuning_logs,
         rounds=min(args.rounds, runs),
+        stock_tuning_logs=args.stock_tuning_logs,
     )
     return 0

@@ -248,6 +248,12 @@ def tune(
             raise
         finally:
             bar.close()
+            if remaining > 0:  # wall time spent tuning this record set, all runs together
+                rset.manifest["tuning_seconds"] = round(
+                    rset.manifest.get("tuning_seconds", 0) + time.time() - start, 1
+                )
+                with stop.saving():
+                    rset.save()
     skipped, _ = slower_than_default(rset)
     database = rset.to_database(exclude=skipped)
     return TuneResult(path, summaries, time.time() - start, database=database, messages=messages)
