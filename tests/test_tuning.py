@@ -361,6 +361,53 @@ def test_cuda_build_with_records_needs_no_gpu(ms_ready, cpu, tmp_path):
     assert "__global__" in source and "fused_matmul_add_relu" in source
 
 
+def test_cuda_rule_space_record_replays_into_a_cuda_build(ms_ready, tmp_path):
+    """The GPU space (dlight's Matmul config as knobs): the default point is dlight's schedule, and a
+    record from another point replays into a CUDA build that compiles and exports (no GPU needed)."""
+    from tvm.s_tir import dlight as dl
+    from tvm.s_tir import meta_schedule as ms
+
+    cuda = targets.parse_target("cuda")
+    search_target = tuning.tuning_target(cuda)
+    model = _tiny_model((64, 128), batch=32)
+    imported, mod = _fused(model, cuda)
+    (task,) = tuning.extract_tasks(mod, cuda)
+    func = task.dispatched[0]["main"]
+    space = tuning.rule_space(func, search_target)
+    assert space is not None and space.rule_type.__name__ == "TunableMatmul"
+    with search_target:
+        stock = dl.gpu.Matmul().apply(func, search_target, False)
+    tvm.ir.assert_structural_equal(
+        space.schedule(func, search_target, (0,) * len(space.names))[0].mod, stock.mod
+    )
+
+    point = (1, 2) + (0,) * (len(space.names) - 2)  # 16x16 threads, 2x2 micro-tiles
+    sch, effective = space.schedule(func, search_target, point)
+    assert effective == point and not tvm_ffi.structural_equal(sch.mod, stock.mod)
+    rset = tuning.RecordSet(
+        path=tuning.record_dir(tmp_path, imported.name, cuda),
+        manifest=tuning.new_manifest(imported.name, imported.model_hash, cuda),
+    )
+    workload = ms.database.Workload(task.dispatched[0])
+    rset.workloads.append(workload)
+    rset.records.append(
+        ms.database.TuningRecord(
+            sch.trace, workload, [1e-6], search_target, ms.arg_info.ArgInfo.from_prim_func(func)
+        )
+    )
+    rset.manifest["tasks"][tuning.workload_key(task.dispatched[0])] = {
+        "name": task.task_name,
+        "default_us": 5.0,
+    }
+    rset.save()
+    built = tvm_fusion.build(model, cuda, tuning_logs=tmp_path, name=imported.name)
+    assert built.tuned_kernels == 1, built.records_note
+    path = built.export(tmp_path / "tuned_cuda.so")
+    assert path.stat().st_size > 0
+    source = "".join(m.inspect_source() for m in _all_modules(built.executable.mod) if m.kind == "cuda")
+    assert "__global__" in source
+
+
 def _all_modules(mod):
     yield mod
     for sub in mod.imports:

@@ -15,6 +15,7 @@ from tvm.s_tir import dlight as dl
 
 from ..targets import is_gpu, parse_target
 from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, cpu_rules
+from .gpu_matmul import TunableMatmul
 
 
 def _target(target):
@@ -26,7 +27,7 @@ def default_rules(target) -> list:
     target = _target(target)
     if is_gpu(target):
         return [
-            dl.gpu.Matmul(),
+            TunableMatmul(),  # dlight's Matmul, its config tunable (choice 0: dlight's own)
             dl.gpu.GEMV(),
             dl.gpu.Reduction(),
             dl.gpu.GeneralReduction(),
@@ -80,6 +81,7 @@ __all__ = [
     "Injective",
     "ParallelFallback",
     "RowReduction",
+    "TunableMatmul",
     "WindowReduction",
     "apply_default_schedules",
     "cpu_rules",

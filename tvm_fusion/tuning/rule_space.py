@@ -3,8 +3,9 @@ among, so every candidate is a strong schedule and the space contains the defaul
 
 Meta-Schedule's stock space (generic multi-level tiling) measured 1.3-7x slower than our rules at
 the trial counts a user can afford, so searching it mostly wastes trials. Here a task whose kernel
-our ``Contraction`` rule schedules is tuned over that rule's knobs (:mod:`..schedules.knobs`:
-micro-kernel plan, reduction cache blocking, accumulator placement). The rule runs again from
+a rule with knobs schedules is tuned over that rule's decisions (:mod:`..schedules.knobs`; on CPU
+``Contraction``: micro-kernel plan, reduction cache blocking, accumulator placement; on GPU
+``TunableMatmul``: dlight's matmul config). The rule runs again from
 scratch for each point, with the decisions forced and recorded in the trace as
 ``sample_categorical`` instructions, so a decision may change everything after it (the packed
 weight layout follows the tile) and a record replays to exactly the schedule measured.
@@ -26,7 +27,7 @@ import tvm
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from ..schedules import Contraction, default_rules
+from ..schedules import default_rules
 
 POOL_FACTOR = 4  # unmeasured points scored by the cost model per measured one
 EXPLORE = 0.25  # share of each batch picked at random from the pool
@@ -34,8 +35,10 @@ EXPLORE = 0.25  # share of each batch picked at random from the pool
 
 @dataclasses.dataclass
 class RuleSpace:
-    """The knobs of the rule that schedules one kernel: names and how many choices each has."""
+    """The knobs of the rule that schedules one kernel: the rule's class, the decision names and
+    how many choices each has."""
 
+    rule_type: type
     names: list[str]
     counts: list[int]
 
@@ -54,8 +57,11 @@ class RuleSpace:
         """``(schedule, effective point)`` for a point, or None when the rule declines it. The
         effective point says what was really decided (a knob not asked for under this plan is 0),
         so points that give the same schedule are measured once."""
-        rule = Contraction(knobs=dict(zip(self.names, point)))
-        sch = rule.apply(func, target, False)
+        rule = self.rule_type(knobs=dict(zip(self.names, point)))
+        try:
+            sch = rule.apply(func, target, False)
+        except Exception:  # a point the rule cannot realise (e.g. a GPU config too big for the kernel)
+            return None
         if sch is None:
             return None
         asked = rule.last_knobs.counts
@@ -64,22 +70,34 @@ class RuleSpace:
 
 
 def rule_space(func: tvm.tirx.PrimFunc, target) -> RuleSpace | None:
-    """The tunable space of the rule that schedules ``func`` by default, or None when that rule has
-    no real decision to make (or is not ours)."""
+    """The tunable space of the rule that schedules ``func`` by default (a rule with knobs:
+    ``Contraction`` on CPU, ``TunableMatmul`` on GPU), or None when that rule has no decision to
+    make."""
     for rule in default_rules(target):
-        if rule.apply(func, target, False) is None:
+        try:
+            sch = rule.apply(func, target, False)
+        except Exception:
+            sch = None
+        if sch is None:
             continue
-        if not isinstance(rule, Contraction) or rule.last_knobs is None:
+        knobs = getattr(rule, "last_knobs", None)
+        if knobs is None:
             return None
-        counts = {name: n for name, n in rule.last_knobs.counts.items() if n > 1}
-        # a knob may have more choices under another plan (e.g. "block"): take the widest seen
-        for plan in range(1, rule.last_knobs.counts.get("plan", 1)):
-            probe = Contraction(knobs={"plan": plan})
-            if probe.apply(func, target, False) is not None:
-                for name, n in probe.last_knobs.counts.items():
-                    if n > 1:
-                        counts[name] = max(counts.get(name, 0), n)
-        space = RuleSpace(list(counts), list(counts.values()))
+        counts = {name: n for name, n in knobs.counts.items() if n > 1}
+        # later knobs may have more choices under another choice of the first (Contraction's
+        # "block" depends on the plan): take the widest seen
+        first = next(iter(counts), None)
+        for choice in range(1, counts.get(first, 1)):
+            probe = type(rule)(knobs={first: choice})
+            try:
+                if probe.apply(func, target, False) is None:
+                    continue
+            except Exception:
+                continue
+            for name, n in probe.last_knobs.counts.items():
+                if n > 1:
+                    counts[name] = max(counts.get(name, 0), n)
+        space = RuleSpace(type(rule), list(counts), list(counts.values()))
         return space if space.size > 1 else None
     return None
 
