@@ -1,0 +1,92 @@
+"""JSON files users hand us or we hand them: strict reading (one error line naming the file and the
+problem, duplicate keys refused instead of silently keeping the last) and atomic writing with the
+file mode the user's umask asks for (``mkstemp`` alone would leave every file 0600)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import TvmFusionError
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (``os.umask`` can only swap)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # pragma: no cover - non-Linux: swap and restore
+    os.umask(mask)  # pragma: no cover
+    return mask  # pragma: no cover
+
+
+def default_mode(executable: bool = False) -> int:
+    """What ``open()`` (0666) or a linker (0777) would give a new file under the current umask."""
+    return (0o777 if executable else 0o666) & ~current_umask()
+
+
+class DuplicateKeyError(ValueError):
+    def __init__(self, key: str):
+        super().__init__(f"key {key!r} twice")
+        self.key = key
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    data: dict = {}
+    for key, value in pairs:
+        if key in data:
+            raise DuplicateKeyError(key)
+        data[key] = value
+    return data
+
+
+def loads_strict(text: str) -> Any:
+    """``json.loads`` that raises :class:`DuplicateKeyError` on a repeated object key."""
+    return json.loads(text, object_pairs_hook=_refuse_duplicates)
+
+
+def read_json(path: str | os.PathLike, what: str, error: type[TvmFusionError] = TvmFusionError) -> Any:
+    """Parse the JSON file ``path`` (a ``what``, for messages); any problem raises ``error``."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{path}: no such file (expected the {what})") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory, expected the {what} (a JSON file)") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise error(f"{path}: cannot read the {what}: {getattr(err, 'strerror', None) or err}") from None
+    if not text.strip():
+        raise error(f"{path}: the {what} is empty")
+    try:
+        return loads_strict(text)
+    except DuplicateKeyError as err:
+        raise error(f"{path}: the {what} has {err}") from None
+    except json.JSONDecodeError as err:
+        raise error(
+            f"{path}: the {what} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}; "
+            "truncated?)"
+        ) from None
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename: readers never see half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, default_mode())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
