@@ -31,6 +31,16 @@ def default_mode(executable: bool = False) -> int:
     return (0o777 if executable else 0o666) & ~current_umask()
 
 
+def json_type(value: Any) -> str:
+    """The JSON name of a value's type, for messages ("a string", "true", "a list", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    kind = {str: "string", int: "integer", float: "number", list: "list", tuple: "list", dict: "object"}
+    return f"{kind.get(type(value), type(value).__name__)} {json.dumps(value, default=str)[:60]}"
+
+
 class DuplicateKeyError(ValueError):
     def __init__(self, key: str):
         super().__init__(f"key {key!r} twice")

@@ -25,14 +25,13 @@ class may hand its output to which consumer classes inside one kernel. On top of
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .errors import PolicyError
-from .jsonio import read_json
+from .jsonio import json_type, read_json
 
 # Op names are Relax op names without the "relax." prefix.
 OP_CLASSES: dict[str, list[str]] = {
@@ -146,7 +145,7 @@ class Roofline:
         """From a JSON object with exactly the four fields (a partial roofline has no sane default)."""
         if not isinstance(data, dict):
             raise PolicyError(
-                f"fusion policy key 'roofline' must be {_ROOFLINE_WORDS}, got {_json_type(data)}"
+                f"fusion policy key 'roofline' must be {_ROOFLINE_WORDS}, got {json_type(data)}"
             )
         unknown = sorted(set(data) - set(ROOFLINE_FIELDS))
         missing = sorted(set(ROOFLINE_FIELDS) - set(data))
@@ -234,7 +233,7 @@ class FusionPolicy:
     def from_dict(cls, data: dict[str, Any]) -> FusionPolicy:
         """Build from a plain dict; missing keys keep their defaults, unknown keys are errors."""
         if not isinstance(data, dict):
-            raise PolicyError(f"a fusion policy must be a JSON object, got {_json_type(data)}")
+            raise PolicyError(f"a fusion policy must be a JSON object, got {json_type(data)}")
         unknown = sorted(set(data) - set(POLICY_FIELDS))
         if unknown:
             raise PolicyError(f"unknown fusion policy key(s) {unknown}; valid keys: {sorted(POLICY_FIELDS)}")
@@ -348,20 +347,10 @@ ROOFLINE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 _ROOFLINE_WORDS = "null or an object with " + ", ".join(ROOFLINE_FIELDS)
 
 
-def _json_type(value) -> str:
-    """The JSON name of a value's type, for messages ("a string", "true", "a list", ...)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    kind = {str: "string", int: "integer", float: "number", list: "list", tuple: "list", dict: "object"}
-    return f"{kind.get(type(value), type(value).__name__)} {json.dumps(value, default=str)[:60]}"
-
-
 def _check_fields(obj, table: dict, prefix: str = "") -> None:
     for name, (ok, expected) in table.items():
         value = getattr(obj, name)
         if not ok(value):
             raise PolicyError(
-                f"fusion policy key '{prefix}{name}' must be {expected}, got {_json_type(value)}"
+                f"fusion policy key '{prefix}{name}' must be {expected}, got {json_type(value)}"
             )
