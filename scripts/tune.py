@@ -19,6 +19,7 @@ import argparse
 import sys
 
 from tvm_fusion import tuning
+from tvm_fusion.benchmark import measure_speedup
 from tvm_fusion.errors import TvmFusionError
 
 
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.measure_only:
-        print(tuning.measure_speedup(args.model, args.target, tuning_logs=args.log_root, policy=args.policy))
+        print(measure_speedup(args.model, args.target, tuning_logs=args.log_root, policy=args.policy))
         return 0
     try:
         result = tuning.tune_model(
@@ -67,15 +68,16 @@ def main(argv=None) -> int:
             num_trials_per_iter=args.per_iter,
             max_workers=args.workers,
             progress=not args.no_progress,
-            measure=args.measure,
             verify_again=args.verify_again,
         )
+        print(result)
+        if args.measure:
+            print(measure_speedup(args.model, args.target, tuning_logs=args.log_root, policy=args.policy))
     except TvmFusionError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    print(result)
     return 0
 
 

@@ -21,19 +21,43 @@ def cpu_target():
     return llvm_target()
 
 
-def run_relax(mod: tvm.IRModule, feeds, target=None) -> np.ndarray:
-    """Compile ``mod`` with plain tvm.compile on the CPU and run ``main``."""
-    vm = relax.VirtualMachine(tvm.compile(mod, target=target or llvm_target()), tvm.cpu())
+def run_outputs(mod_or_executable, feeds, target=None) -> list[np.ndarray]:
+    """Every output of ``main`` run on the CPU. ``mod_or_executable``: a Relax module (compiled
+    here with plain ``tvm.compile`` for ``target``, default this CPU) or a compiled executable;
+    ``feeds``: a dict (in input order) or a list of arrays."""
+    executable = mod_or_executable
+    if isinstance(executable, tvm.IRModule):
+        executable = tvm.compile(executable, target=target or llvm_target())
+    vm = relax.VirtualMachine(executable, tvm.cpu())
     args = [tvm.runtime.tensor(v) for v in (feeds.values() if isinstance(feeds, dict) else feeds)]
     out = vm["main"](*args)
-    return out.numpy() if hasattr(out, "numpy") else [o.numpy() for o in out]
+    return [out.numpy()] if isinstance(out, tvm.runtime.Tensor) else [o.numpy() for o in out]
 
 
-def ort_run(model, feeds) -> np.ndarray:
+def run_relax(mod: tvm.IRModule, feeds, target=None):
+    """Compile ``mod`` with plain tvm.compile and run ``main``: one array, or a list for several outputs."""
+    return _single(run_outputs(mod, feeds, target))
+
+
+def run_executable(executable, feeds):
+    """Run a compiled module's ``main`` on the CPU: one array, or a list for several outputs."""
+    return _single(run_outputs(executable, feeds))
+
+
+def _single(outputs: list):
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+def ort_outputs(model, feeds) -> list[np.ndarray]:
+    """Every output of ``model`` in ONNX Runtime (the reference)."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)[0]
+    return session.run(None, feeds)
+
+
+def ort_run(model, feeds) -> np.ndarray:
+    return ort_outputs(model, feeds)[0]
 
 
 def max_abs_err(a, b) -> float:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime
 import pytest
 import tvm
+from conftest import ort_outputs, run_outputs
 from tvm import relax
 from tvm.relax.frontend.onnx import from_onnx
 
@@ -20,20 +20,6 @@ TOL = 1e-4
 # -- helpers ----------------------------------------------------------------------------------
 def _import(model: onnx.ModelProto) -> tvm.IRModule:
     return from_onnx(model, keep_params_in_input=False)
-
-
-def _run_any(mod, *args):
-    ex = tvm.compile(mod, target="llvm")
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    out = vm["main"](*[tvm.runtime.tensor(a) for a in args])
-    if hasattr(out, "numpy"):
-        return [out.numpy()]
-    return [o.numpy() for o in out]
-
-
-def _ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
 
 
 def _calls(mod: tvm.IRModule, op_name: str, func: str = "main") -> list[relax.Call]:
@@ -58,7 +44,7 @@ def _check_onnx(model: onnx.ModelProto, expect_bn_left_by_stock: bool | None = N
         assert _n(ours, op) == _n(mod, op)
     feeds = models.random_inputs(model)
     args = list(feeds.values())
-    ref, got, ort = _run_any(mod, *args), _run_any(ours, *args), _ort(model, feeds)
+    ref, got, ort = run_outputs(mod, args), run_outputs(ours, args), ort_outputs(model, feeds)
     for r, g, o in zip(ref, got, ort):
         assert np.abs(r - g).max() <= TOL
         assert np.abs(o - g).max() <= TOL
@@ -297,7 +283,7 @@ def test_non_constant_weight_keeps_weight_param():
     assert _n(ours, "nn.batch_norm") == 0
     (conv,) = _calls(ours, "relax.nn.conv2d")
     assert conv.args[1].same_as(mod["main"].params[1])
-    assert np.abs(_run_any(mod, *args)[0] - _run_any(ours, *args)[0]).max() <= TOL
+    assert np.abs(run_outputs(mod, args)[0] - run_outputs(ours, args)[0]).max() <= TOL
 
 
 def test_bn_axis_not_matching_producer_not_folded_into_weights():
@@ -326,7 +312,7 @@ def test_bn_axis_not_matching_producer_not_folded_into_weights():
     assert _n(ours, "nn.batch_norm") == 0 and _n(ours, "multiply") == 1
     np.testing.assert_array_equal(_const_np(_calls(ours, "relax.matmul")[0].args[1]), w)
     a = rng.standard_normal((6, 8)).astype("float32")
-    assert np.abs(_run_any(mod, a)[0] - _run_any(ours, a)[0]).max() <= TOL
+    assert np.abs(run_outputs(mod, [a])[0] - run_outputs(ours, [a])[0]).max() <= TOL
 
 
 def test_training_mode_bn_untouched():
@@ -338,7 +324,7 @@ def test_nhwc_conv_bn():
     mod, args = _bb_conv_bn(layout="NHWC")
     ours = FoldBatchNorm()(mod)
     assert _n(ours, "nn.batch_norm") == 0 and _n(ours, "multiply") == 0
-    assert np.abs(_run_any(mod, *args)[0] - _run_any(ours, *args)[0]).max() <= TOL
+    assert np.abs(run_outputs(mod, args)[0] - run_outputs(ours, args)[0]).max() <= TOL
 
 
 def test_fp16_conv_bn():
@@ -348,8 +334,8 @@ def test_fp16_conv_bn():
     assert _n(ours16, "nn.batch_norm") == 0
     (conv,) = _calls(ours16, "relax.nn.conv2d")
     assert str(conv.args[1].ty.dtype) == "float16"
-    ref = _run_any(mod32, args16[0].astype("float32"))[0]
-    got = _run_any(ours16, *args16)[0].astype("float32")
+    ref = run_outputs(mod32, [args16[0].astype("float32")])[0]
+    got = run_outputs(ours16, args16)[0].astype("float32")
     assert np.abs(ref - got).max() <= 2e-2 * max(1.0, np.abs(ref).max())
 
 

@@ -14,8 +14,8 @@ import sys
 import textwrap
 
 import numpy as np
-import onnxruntime as ort
 import pytest
+from conftest import ort_outputs
 
 import tvm_fusion
 from tvm_fusion import models
@@ -82,9 +82,7 @@ CASES = {
 def test_exported_library_runs_without_tvm_fusion(case, tmp_path):
     model = CASES[case]()
     feeds = models.random_inputs(model, seed=1)
-    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, feeds
-    )
+    reference = ort_outputs(model, feeds)
 
     so_path = tvm_fusion.build(model, "llvm", tuning_logs=None).export(tmp_path / f"{case}.so")
     meta = json.loads((tmp_path / f"{case}.so.json").read_text())

@@ -1,16 +1,15 @@
 """HorizontalFuse: sibling matmul/conv2d (and opt-in elementwise) merging, numerics and guards."""
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import tvm
 import tvm_ffi
+from conftest import ort_outputs, run_outputs
 from tvm import relax
 
 from tvm_fusion import models
 from tvm_fusion.frontend import import_onnx
 from tvm_fusion.passes.horizontal_fuse import ATTR_KEY, HorizontalFuse, count_horizontal_groups
-from tvm_fusion.targets import parse_target
 
 F32 = "float32"
 
@@ -39,17 +38,7 @@ def split_arities(mod):
 
 
 def run(mod, *arrays):
-    ex = tvm.compile(mod, target=parse_target("llvm"))
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    out = vm["main"](*[tvm.runtime.tensor(a) for a in arrays])
-    if isinstance(out, tvm.runtime.Tensor):
-        return [out.numpy()]
-    return [o.numpy() for o in out]
-
-
-def run_ort(model, feeds):
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
+    return run_outputs(mod, arrays)
 
 
 def max_err(a, b):
@@ -124,7 +113,7 @@ def test_transformer_qkv_become_one_matmul_and_match_reference():
     x = feeds["input"]
     ref_tvm, got = run(before, x), run(after, x)
     assert max_err(got, ref_tvm) < 1e-5
-    assert max_err(got, run_ort(model, feeds)) < 1e-4
+    assert max_err(got, ort_outputs(model, feeds)) < 1e-4
 
 
 def test_stock_combine_parallel_matmul_leaves_constant_weights_unfused():
@@ -149,7 +138,7 @@ def test_onnx_gemm_form_unfolded_import():
     assert count_op(after, "relax.add") == 1  # biases carried
     assert count_op(after, "relax.permute_dims") == 0  # folded into the concatenated weight, dead
     feeds = models.random_inputs(model)
-    assert max_err(run(after, feeds["input"]), run_ort(model, feeds)) < 1e-5
+    assert max_err(run(after, feeds["input"]), ort_outputs(model, feeds)) < 1e-5
 
 
 # -- conv2d ------------------------------------------------------------------------------------------
@@ -170,7 +159,7 @@ def test_three_1x1_conv_branches_fuse(fold):
         feeds = models.random_inputs(model)
         got = run(after, feeds["input"])
         assert max_err(got, run(before, feeds["input"])) < 1e-5
-        assert max_err(got, run_ort(model, feeds)) < 1e-4
+        assert max_err(got, ort_outputs(model, feeds)) < 1e-4
 
 
 def test_conv_mismatched_attrs_not_fused():

@@ -19,10 +19,10 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import tvm
 import tvm_ffi
+from conftest import ort_outputs, run_outputs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import GraphSpec, random_models
@@ -57,21 +57,8 @@ def imported(spec: GraphSpec) -> tvm.IRModule:
     return from_onnx(spec.model, keep_params_in_input=False)
 
 
-def run_vm(executable, spec: GraphSpec, feeds: dict) -> list[np.ndarray]:
-    vm = relax.VirtualMachine(executable, tvm.cpu())
-    out = vm["main"](*[tvm.runtime.tensor(feeds[name]) for name, _ in spec.inputs])
-    if isinstance(out, tvm.runtime.Tensor):
-        return [out.numpy()]
-    return [o.numpy() for o in out]
-
-
-def run_mod(mod: tvm.IRModule, spec: GraphSpec, feeds: dict) -> list[np.ndarray]:
-    return run_vm(tvm.compile(mod, target=TARGET), spec, feeds)
-
-
-def run_ort(spec: GraphSpec, feeds: dict) -> list[np.ndarray]:
-    session = ort.InferenceSession(spec.model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
+def run_vm(mod_or_executable, spec: GraphSpec, feeds: dict) -> list[np.ndarray]:
+    return run_outputs(mod_or_executable, [feeds[name] for name, _ in spec.inputs], TARGET)
 
 
 def assert_close(actual, expected, spec: GraphSpec, what: str) -> None:
@@ -161,8 +148,8 @@ PASSES = list(_pass_cases())
 # -- property 1: the whole pipeline --------------------------------------------------------------
 def check_pipeline_numerics(spec: GraphSpec) -> None:
     feeds = spec.feeds()
-    reference = run_ort(spec, feeds)
-    plain = run_mod(imported(spec), spec, feeds)
+    reference = ort_outputs(spec.model, feeds)
+    plain = run_vm(imported(spec), spec, feeds)
     result = tvm_fusion.build(spec.model, "llvm", tuning_logs=None)
     ours = run_vm(result.executable, spec, feeds)
     assert_close(plain, reference, spec, "unoptimised TVM vs onnxruntime")
@@ -185,7 +172,7 @@ def check_pass_alone(spec: GraphSpec, name: str, fold_first: bool) -> None:
     assert well_formed(after), f"{name} produced an ill-formed module:\n{after.script()[:4000]}"
     feeds = spec.feeds()
     assert_close(
-        run_mod(after, spec, feeds), run_mod(reference, spec, feeds), spec, f"{name} vs its input module"
+        run_vm(after, spec, feeds), run_vm(reference, spec, feeds), spec, f"{name} vs its input module"
     )
     assert tvm_ffi.structural_equal(before, reference), f"{name} mutated its input module"
 

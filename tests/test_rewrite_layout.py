@@ -7,11 +7,14 @@ import functools
 import numpy as np
 import pytest
 import tvm
+from conftest import ort_run, run_relax
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
 
 from tvm_fusion import models
 from tvm_fusion.frontend import import_onnx
+from tvm_fusion.legalize import stock_legalization
+from tvm_fusion.legalize.nchwc_conv import legalize_conv2d_nchwc
 from tvm_fusion.passes import rewrite_layout as rl
 from tvm_fusion.passes.rewrite_layout import RewriteLayout, choose_layout, count_layout_transforms
 from tvm_fusion.targets import llvm_target
@@ -54,17 +57,12 @@ def _prepared(name: str):
 @functools.cache
 def _reference(name: str) -> np.ndarray:
     """The unconverted model's output (onnxruntime: cheaper than compiling the NCHW module)."""
-    import onnxruntime as ort
-
     model = _model(name)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, models.random_inputs(model))[0]
+    return ort_run(model, models.random_inputs(model))
 
 
 def _run(mod, feeds):
-    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(ZNVER3)), tvm.cpu())
-    out = vm["main"](*[tvm.runtime.tensor(v) for v in feeds.values()])
-    return out.numpy()
+    return run_relax(mod, feeds, tvm.target.Target(ZNVER3))
 
 
 def _calls(mod, op_name, func_name="main"):
@@ -307,8 +305,8 @@ def test_stock_conv2d_legalization_refuses_nchwc():
     with bb.function("main", [x]):
         with bb.dataflow():
             call = bb.normalize(call)
-            assert rl._stock_conv2d_legalize(bb, call).same_as(call)
-            out = bb.emit_output(rl.legalize_conv2d_nchwc(bb, call))
+            assert stock_legalization("relax.nn.conv2d")(bb, call).same_as(call)
+            out = bb.emit_output(legalize_conv2d_nchwc(bb, call))
         bb.emit_func_output(out)
     mod = bb.get()
     (prim,) = [f for gv, f in mod.functions.items() if gv.name_hint == "conv2d_NCHWc"]

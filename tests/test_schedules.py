@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+from conftest import ort_run, run_relax
 from tvm import relax, te, tirx, topi
 from tvm.s_tir import dlight as dl
 from tvm.script import relax as R
@@ -64,9 +65,7 @@ def _scheduled(mod, prepack=True):
 
 
 def _run(mod, feeds):
-    vm = relax.VirtualMachine(tvm.compile(mod, target=ZNVER3), tvm.cpu())
-    out = vm["main"](*[tvm.runtime.tensor(x) for x in feeds])
-    return out.numpy()
+    return run_relax(mod, feeds, ZNVER3)
 
 
 def _prim_funcs(mod):
@@ -368,13 +367,10 @@ def test_transpose_reshape():
 
 # -- end to end + rule selection --------------------------------------------------------------
 def test_transformer_block_matches_onnxruntime():
-    import onnxruntime as ort
 
     model = models.transformer_block(seq=8, hidden=32, heads=2)
     feeds = models.random_inputs(model)
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, feeds
-    )[0]
+    ref = ort_run(model, feeds)
     from tvm.relax.frontend.onnx import from_onnx
 
     sched = _scheduled(from_onnx(model, keep_params_in_input=False))
@@ -438,11 +434,11 @@ def _reduction_loop_layout(func, block):
     """For each loop around block (outermost first): 'R' if it binds a reduction iter, else 'S'."""
     from tvm import s_tir
 
-    from tvm_fusion.schedules.fallback import _get_sblockrealize
+    from tvm_fusion.schedules.fallback import get_sblock_realize
 
     sch = s_tir.Schedule(func)
     blk = sch.get_sblock(block)
-    stmt, realize = sch.get(blk), _get_sblockrealize(sch, blk)
+    stmt, realize = sch.get(blk), get_sblock_realize(sch, blk)
     r_vars = [
         v
         for it, val in zip(stmt.iter_vars, realize.iter_values)
@@ -573,12 +569,9 @@ def test_layer_norm_gemm_gelu_prologue_fusion():
     assert len(rf_blocks) == 2, _block_names(got_func)  # sum and variance, SIMD partial sums
     assert all(_loops_of(got_func, n)[-1].kind == tirx.ForKind.VECTORIZED for n in rf_blocks)
     # and through the whole default-schedule pass (with weight packing) the model matches ORT
-    import onnxruntime as ort
 
     feeds = models.random_inputs(model)
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, feeds
-    )[0]
+    ref = ort_run(model, feeds)
     with ZNVER3:
         sched = apply_default_schedules(ZNVER3)(fused)
     (packed,) = [f for n, f in _prim_funcs(sched).items() if "layer_norm" in n and "gelu" in n]
@@ -647,7 +640,10 @@ def test_two_contractions_are_declined():
 
 # -- fast GELU legalization -------------------------------------------------------------------
 def test_fast_gelu_legalization_is_vectorizable_and_switchable():
-    from tvm_fusion.schedules import fast_gelu, fast_gelu_enabled
+    from tvm_fusion.legalize import register
+    from tvm_fusion.legalize.fast_gelu import fast_gelu, fast_gelu_enabled
+
+    register()
 
     mod = _module({"x": (4, 64)}, lambda bb, x: relax.op.nn.gelu(x))
     x = np.linspace(-7, 7, 256, dtype="float32").reshape(4, 64)

@@ -17,9 +17,12 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
+from conftest import ort_run, run_executable
 
-from tvm_fusion import frontend, models, targets, tuning
+import tvm_fusion
+from tvm_fusion import files, frontend, models, targets, tuning
 from tvm_fusion.errors import TargetError, TuningRecordError, TvmFusionError
+from tvm_fusion.pipeline import unscheduled_module
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -36,14 +39,7 @@ def _tiny_model(widths=(32, 32), batch: int = 8):
 def _fused(model, target):
     """The module the real build schedules (project pipeline, schedule=False)."""
     imported = frontend.import_onnx(model)
-    return imported, tuning.fuse_for_build(imported.mod, target)
-
-
-def _ort(model, inputs):
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, inputs)[0]
+    return imported, unscheduled_module(imported.mod, target)
 
 
 def _set_task_fields(path: Path, **fields):
@@ -89,7 +85,7 @@ def _fabricate(mod, target, log_root, name, model_hash, run_us=10.0):
         ).clone()
         workload = ms.database.Workload(task.dispatched[0])
         rset.workloads.append(workload)
-        rset.manifest["tasks"][tuning._shash(task.dispatched[0])] = {
+        rset.manifest["tasks"][tuning.workload_key(task.dispatched[0])] = {
             "name": task.task_name,
             "budget": 0,
             "trials": 0,
@@ -113,14 +109,14 @@ def test_split_budget():
 
 def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
     path = tmp_path / "manifest.json"
-    tuning.atomic_write_text(path, "old\n")
+    files.write_text_atomic(path, "old\n")
 
     def boom(_fd):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "fsync", boom)
     with pytest.raises(OSError, match="disk full"):
-        tuning.atomic_write_text(path, "new content that never lands\n")
+        files.write_text_atomic(path, "new content that never lands\n")
     assert path.read_text() == "old\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]  # no temp file left
 
@@ -189,20 +185,18 @@ def test_fabricated_records_apply_and_match_untuned(fabricated, cpu):
 
     (kernel,) = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     assert kernel.startswith("fused_matmul_add_relu")  # renamed by the layout-free marking
-    with cpu:
-        applied = tuning.apply_records(db)(mod)
-    counts = tuning.count_scheduled(mod, applied)
-    assert counts.tuned == [kernel] and counts.default == []
-    assert applied[kernel].attrs["tirx.is_scheduled"]
-    assert not tvm_ffi.structural_equal(applied[kernel], mod[kernel])
-    assert "1 functions tuned, 0 default" in counts.summary()
+    tuned = tvm_fusion.build(model, cpu, database=db)
+    plain = tvm_fusion.build(model, cpu, tuning_logs=None)
+    assert (tuned.tuned_kernels, plain.tuned_kernels) == (1, 0)
+    assert "1 kernel functions tuned" in tuned.describe()
+    assert not tvm_ffi.structural_equal(tuned.lowered, plain.lowered)  # the record's schedule, not ours
 
     inputs = models.random_inputs(model)
-    ex_tuned, _ = tuning.build(mod, cpu, db)
-    ex_plain, plain_counts = tuning.build(mod, cpu, None)
-    assert plain_counts.tuned == []
     np.testing.assert_allclose(
-        tuning.run_executable(ex_tuned, inputs), tuning.run_executable(ex_plain, inputs), rtol=1e-5, atol=1e-5
+        run_executable(tuned.executable, inputs),
+        run_executable(plain.executable, inputs),
+        rtol=1e-5,
+        atol=1e-5,
     )
 
 
@@ -218,8 +212,6 @@ def test_fabricated_records_apply_and_match_untuned(fabricated, cpu):
     ],
 )
 def test_records_not_faster_than_default_are_not_applied(ms_ready, cpu, tmp_path, fields, applied):
-    import tvm_fusion
-
     model = _tiny_model()
     imported, mod = _fused(model, cpu)
     rset = _fabricate(mod, cpu, tmp_path, imported.name, imported.model_hash, run_us=1e6)
@@ -246,7 +238,7 @@ def test_records_not_faster_than_default_are_not_applied(ms_ready, cpu, tmp_path
     assert db_all is not None and report_all.num_applied == 1
     inputs = models.random_inputs(model)
     np.testing.assert_allclose(
-        tuning.run_executable(built.executable, inputs), _ort(model, inputs), rtol=1e-4, atol=1e-4
+        run_executable(built.executable, inputs), ort_run(model, inputs), rtol=1e-4, atol=1e-4
     )
 
 
@@ -255,11 +247,9 @@ def test_default_baseline_is_the_kernel_the_build_runs(cpu):
     constant), not the original one with a packing copy inside the kernel."""
     from tvm.s_tir import meta_schedule as ms
 
-    import tvm_fusion
-
     model = _tiny_model((16, 64, 16))
     imported, mod = _fused(model, cpu)
-    baselines = tuning.default_schedule_modules(mod, cpu)
+    baselines = tuning.default_schedule_modules(tuning.extract_tasks(mod, cpu), cpu)
     assert len(baselines) == 2
     timed = {
         tuple(
@@ -343,21 +333,24 @@ def test_corrupt_records_are_reported_and_build_uses_defaults(fabricated, cpu, t
     assert str(bad_file) in str(report) and "default schedules" in str(report)
     with pytest.raises(TuningRecordError, match=str(bad_file).replace(".", r"\.")):
         tuning.load_records(root, imported.name, imported.model_hash, cpu, strict=True)
-    _, mod, model = fabricated[1], fabricated[2], fabricated[3]
-    ex, counts = tuning.build(mod, cpu, db)  # the build goes on with default schedules
-    assert counts.tuned == []
-    assert tuning.run_executable(ex, models.random_inputs(model)).shape == (8, 32)
+    model = fabricated[3]
+    built = tvm_fusion.build(model, cpu, name=imported.name, tuning_logs=root)  # goes on with defaults
+    assert (
+        built.tuned_kernels == 0 and built.records_status == "corrupt" and str(bad_file) in built.records_note
+    )
+    assert run_executable(built.executable, models.random_inputs(model)).shape == (8, 32)
 
 
 def test_cuda_build_with_records_needs_no_gpu(ms_ready, cpu, tmp_path):
     cuda = targets.parse_target("cuda")
-    imported, mod = _fused(_tiny_model(), cuda)
+    model = _tiny_model()
+    imported, mod = _fused(model, cuda)
     _fabricate(mod, cuda, tmp_path, imported.name, imported.model_hash)
     db, report = tuning.load_records(tmp_path, imported.name, imported.model_hash, cuda)
     assert report.ok and report.path.name == "cuda-sm_80", str(report)
-    ex, counts = tuning.build(mod, cuda, db)
-    assert counts.tuned == ["fused_matmul_add_relu"]
-    source = "".join(m.inspect_source() for m in _all_modules(ex.mod) if m.kind == "cuda")
+    built = tvm_fusion.build(model, cuda, database=db)
+    assert built.tuned_kernels == 1 and built.default_kernels == 0
+    source = "".join(m.inspect_source() for m in _all_modules(built.executable.mod) if m.kind == "cuda")
     assert "__global__" in source and "fused_matmul_add_relu" in source
 
 
@@ -377,8 +370,6 @@ def _files(path: Path) -> dict[str, str]:
 def test_tune_model_records_are_used_by_the_real_build(ms_ready, cpu, tmp_path):
     """tune_model fuses with the build's own passes, so tvm_fusion.build finds every record; each
     task's best schedule is timed against its default schedule and only winners are applied."""
-    import tvm_fusion
-
     model = models.mlp_bn()
     imported = frontend.import_onnx(model, name="mlp_bn")
     res = tuning.tune_model(
@@ -404,7 +395,7 @@ def test_tune_model_records_are_used_by_the_real_build(ms_ready, cpu, tmp_path):
     assert sum(1 for t in res.tasks if t.applied) == winners
 
     inputs = models.random_inputs(model)
-    reference = _ort(model, inputs)
+    reference = ort_run(model, inputs)
     untuned = tvm_fusion.build(model, "llvm", name="mlp_bn", tuning_logs=None)
     built = tvm_fusion.build(model, "llvm", name="mlp_bn", tuning_logs=tmp_path)
     assert built.tuned_kernels == winners  # every record matched; losers were left out
@@ -417,9 +408,9 @@ def test_tune_model_records_are_used_by_the_real_build(ms_ready, cpu, tmp_path):
     _set_task_fields(forced / "mlp_bn" / res.record_dir.name, default_us=1e9)
     all_tuned = tvm_fusion.build(model, "llvm", name="mlp_bn", tuning_logs=forced)
     assert all_tuned.tuned_kernels == 2 and all_tuned.tuned_kernels >= 1
-    out_plain = tuning.run_executable(untuned.executable, inputs)
+    out_plain = run_executable(untuned.executable, inputs)
     for b in (built, all_tuned):
-        out = tuning.run_executable(b.executable, inputs)
+        out = run_executable(b.executable, inputs)
         np.testing.assert_allclose(out, out_plain, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(out, reference, rtol=1e-4, atol=1e-4)
 
@@ -481,11 +472,14 @@ def test_interrupted_tuning_resumes_without_redoing_trials(ms_ready, cpu, tmp_pa
     db, report = tuning.load_records(tmp_path, imported.name, imported.model_hash, cpu, only_faster=False)
     assert report.num_records == 8
     inputs = models.random_inputs(model)
-    ex_tuned, counts = tuning.build(mod, cpu, db)
-    ex_plain, _ = tuning.build(mod, cpu, None)
-    assert len(counts.tuned) == ntasks
+    tuned = tvm_fusion.build(model, cpu, database=db)
+    plain = tvm_fusion.build(model, cpu, tuning_logs=None)
+    assert tuned.tuned_kernels == ntasks
     np.testing.assert_allclose(
-        tuning.run_executable(ex_tuned, inputs), tuning.run_executable(ex_plain, inputs), rtol=1e-5, atol=1e-5
+        run_executable(tuned.executable, inputs),
+        run_executable(plain.executable, inputs),
+        rtol=1e-5,
+        atol=1e-5,
     )
 
 
@@ -515,8 +509,6 @@ def test_rule_plans_are_tuning_candidates(ms_ready, cpu, tmp_path):
     """Before the search, half of a task's budget measures the Contraction rule's runner-up
     plans; they are records like the search's (saved, replayed by the build with pre-packed
     weights) but never seed the search."""
-    import tvm_fusion
-
     model = _tiny_model((64, 48), batch=16)
     imported, mod = _fused(model, cpu)
     (task,) = tuning.extract_tasks(mod, cpu)
@@ -533,7 +525,7 @@ def test_rule_plans_are_tuning_candidates(ms_ready, cpu, tmp_path):
         check_default=False,
     )
     rset = tuning.read_record_set(res.record_dir)
-    rule = [r for r in rset.records if not tuning._is_search_record(r)]
+    rule = [r for r in rset.records if not tuning.records.is_search_record(r)]
     assert len(rset.records) == 4 and len(rule) == 2
     assert [e["plans_measured"] for e in rset.manifest["tasks"].values()] == [2]
     for rec, sch in zip(rule, tuning.rule_candidates(task.dispatched[0], cpu, first=1, count=2)):
@@ -546,7 +538,7 @@ def test_rule_plans_are_tuning_candidates(ms_ready, cpu, tmp_path):
     assert (64, 48) not in [tuple(int(d) for d in p.shape) for p in kernel.params]  # weight pre-packed
     inputs = models.random_inputs(model)
     np.testing.assert_allclose(
-        tuning.run_executable(built.executable, inputs), _ort(model, inputs), rtol=1e-4, atol=1e-4
+        run_executable(built.executable, inputs), ort_run(model, inputs), rtol=1e-4, atol=1e-4
     )
 
 

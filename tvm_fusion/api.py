@@ -13,50 +13,27 @@ import os
 import time
 from pathlib import Path
 
-import onnx
 import tvm
-import tvm_ffi
 from tvm import relax
 
-from . import __version__, models
+from . import __version__
 from .errors import TargetError, TvmFusionError, last_line
-from .frontend import ImportedModel, TensorSpec, import_onnx
-from .jsonio import write_json_atomic  # noqa: F401  (re-exported)
+from .frontend import ImportedModel, as_imported
 from .loaded import LoadedModel, check_input, load  # noqa: F401  (re-exported)
 from .module_file import export_library
-from .pipeline import pipeline_passes
+from .pipeline import pipeline_passes, pipeline_stages, run_passes
 from .report import Summary, summarize
+from .shape_cache import add_shape_buckets
 from .targets import check_can_build, parse_target, target_json
+from .tuning.records import load_records
 
 DEFAULT_TUNING_LOGS = "tuning_logs"
-
-
-def as_imported(model, name: str | None = None) -> ImportedModel:
-    """Normalise the accepted model forms into an :class:`ImportedModel`."""
-    if isinstance(model, ImportedModel):
-        return model
-    if isinstance(model, tvm.IRModule):
-        return ImportedModel(
-            mod=model,
-            name=name or "module",
-            model_hash=_module_hash(model),
-            inputs=_relax_inputs(model),
-            outputs=[],
-        )
-    if isinstance(model, str) and model in models.EXAMPLES and not Path(model).exists():
-        return import_onnx(models.example(model), name or model)  # a bundled example, by name
-    if isinstance(model, (str, os.PathLike, onnx.ModelProto)):
-        return import_onnx(model, name)
-    raise TvmFusionError(
-        f"cannot build from {type(model).__name__}: pass an .onnx path, an onnx.ModelProto or a Relax IRModule"
-    )
 
 
 def optimize(mod: tvm.IRModule, target="llvm", policy=None, **options) -> tvm.IRModule:
     """Run the tvm_fusion pipeline; the result is ready for ``tvm.compile(mod, target)``."""
     target = parse_target(target)
-    with target:
-        return tvm.transform.Sequential(pipeline_passes(target, policy, **options), name="tvm_fusion")(mod)
+    return run_passes(mod, pipeline_passes(target, policy, **options), target)
 
 
 @dataclasses.dataclass
@@ -136,58 +113,35 @@ def build(
     imported = as_imported(model, name)
     buckets = []
     if shape_buckets:
-        from .shape_cache import add_shape_buckets
-
         specialised, buckets = add_shape_buckets(imported.mod, shape_buckets)
         imported = dataclasses.replace(imported, mod=specialised)
     note = status = ""
     if database is None and tuning_logs is not None and options.get("schedule", True):
-        database, report = _find_records(tuning_logs, imported, target)
+        database, report = load_records(tuning_logs, imported.name, imported.model_hash, target)
         note, status = str(report), report.status
-    passes = pipeline_passes(target, policy, database=database, **options)
-    mod = imported.mod
-    tuned = 0
-    with target:
-        for p in passes:
-            try:
-                mod = p(mod)
-            except TvmFusionError:
-                raise
-            except Exception as err:
-                raise TvmFusionError(
-                    f"pass {p.info.name} failed on {imported.name}: {last_line(err)}"
-                ) from err
-            if p.info.name == "MetaScheduleApplyDatabase":
-                tuned = _scheduled_count(mod)
-    scheduled = _scheduled_count(mod)
+    stages = pipeline_stages(target, policy, database=database, **options)
+    mod = run_passes(imported.mod, stages.rewrite + stages.fuse + stages.tuned, target, imported.name)
+    tuned = _scheduled_count(mod)  # only tuned records have scheduled anything yet
+    mod = run_passes(mod, stages.default, target, imported.name)
     try:
         executable = tvm.compile(mod, target=target)
     except Exception as err:
         raise TvmFusionError(
             f"compiling {imported.name} for {target.kind.name} failed: {last_line(err)}"
         ) from err
-    summary = summarize(imported.mod, mod)
     return BuildResult(
         executable,
         target,
         imported,
         mod,
-        summary,
+        summarize(imported.mod, mod),
         tuned_kernels=tuned,
-        default_kernels=scheduled - tuned,
+        default_kernels=_scheduled_count(mod) - tuned,
         records_note=note,
         records_status=status,
         build_seconds=time.perf_counter() - start,
         buckets=buckets,
     )
-
-
-def _find_records(tuning_logs, imported: ImportedModel, target):
-    """``(database or None, RecordReport)``: records for exactly this model hash, target and TVM
-    version; anything else is reported, not applied."""
-    from . import tuning
-
-    return tuning.load_records(tuning_logs, imported.name, imported.model_hash, target)
 
 
 def _scheduled_count(mod: tvm.IRModule) -> int:
@@ -201,21 +155,7 @@ def _scheduled_count(mod: tvm.IRModule) -> int:
     )
 
 
-# -- export / load: tvm_fusion.module_file (the .so + .so.json) and tvm_fusion.loaded (running) --
-
-
-def _relax_inputs(mod: tvm.IRModule) -> list[TensorSpec]:
-    specs = []
-    for param in mod["main"].params:
-        ty = param.ty
-        if isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr):
-            dims = tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in ty.shape.values)
-            specs.append(TensorSpec(param.name, dims, str(ty.dtype)))
-    return specs
-
-
-def _module_hash(mod: tvm.IRModule) -> str:
-    return f"{tvm_ffi.structural_hash(mod) & 0xFFFFFFFFFFFFFFFF:016x}"
+# -- export / load: module_file.py (the .so + .so.json) and loaded.py (running it) ------------
 
 
 __all__ = ["BuildResult", "LoadedModel", "TargetError", "build", "export_library", "load", "optimize"]

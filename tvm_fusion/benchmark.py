@@ -24,11 +24,11 @@ from tvm import relax
 
 from . import models
 from .api import build
-from .frontend import import_onnx
+from .frontend import as_imported, import_onnx
 from .policy import Roofline
 from .profiling import kernel_times
 from .report import estimated_bytes, kernel_count, model_flops
-from .targets import llvm_target, target_key
+from .targets import device_for, llvm_target, parse_target, target_key
 
 
 @dataclasses.dataclass
@@ -223,6 +223,89 @@ def benchmark_model(
         if ort_ms and row.median_ms:
             row.ratio_vs_ort = row.median_ms / ort_ms
     return rows
+
+
+@dataclasses.dataclass
+class SpeedupReport:
+    """Tuned vs untuned build of one model through ``tvm_fusion.build``, timed side by side."""
+
+    model: str
+    target_key: str
+    untuned_ms: float
+    tuned_ms: float
+    tuned_kernels: int
+    default_kernels: int
+    records_note: str
+    max_abs_diff: float
+    rounds: int
+
+    @property
+    def speedup(self) -> float:
+        return self.untuned_ms / self.tuned_ms if self.tuned_ms > 0 else float("nan")
+
+    def __str__(self) -> str:
+        return (
+            f"{self.model} on {self.target_key}: untuned {self.untuned_ms:.4f} ms, tuned {self.tuned_ms:.4f} ms "
+            f"(x{self.speedup:.2f}, median of {self.rounds} interleaved rounds); {self.tuned_kernels} kernels "
+            f"tuned, {self.default_kernels} default; outputs differ by at most {self.max_abs_diff:.2e}\n"
+            f"  records: {self.records_note}"
+        )
+
+
+def measure_speedup(
+    model,
+    target="llvm",
+    *,
+    tuning_logs: str | Path = "tuning_logs",
+    policy=None,
+    options: dict | None = None,
+    rounds: int = 15,
+    number: int = 10,
+) -> SpeedupReport:
+    """Build ``model`` twice with the real pipeline, with the records in ``tuning_logs`` and with
+    none, and time both in alternation (``rounds`` rounds of ``number`` calls; medians reported)."""
+    target = parse_target(target)
+    imported = as_imported(model)
+    device = device_for(target)
+    builds = [
+        build(imported, target, policy, tuning_logs=logs, **(options or {})) for logs in (None, tuning_logs)
+    ]
+    rng = np.random.default_rng(0)
+    feeds = [
+        tvm.runtime.tensor(
+            rng.standard_normal([d if isinstance(d, int) and d > 0 else 1 for d in spec.shape]).astype(
+                spec.dtype
+            ),
+            device,
+        )
+        for spec in imported.inputs
+    ]
+    vms = [relax.VirtualMachine(b.executable, device) for b in builds]
+    outputs = [_flat_numpy(vm["main"](*feeds)) for vm in vms]
+    diff = max(float(np.max(np.abs(a.astype("float64") - b.astype("float64")))) for a, b in zip(*outputs))
+    timers = [vm.time_evaluator("main", device, number=number, repeat=1, min_repeat_ms=50) for vm in vms]
+    samples: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for k, timer in enumerate(timers):
+            samples[k].append(float(timer(*feeds).mean) * 1e3)
+    tuned = builds[1]
+    return SpeedupReport(
+        model=imported.name,
+        target_key=target_key(target),
+        untuned_ms=float(np.median(samples[0])),
+        tuned_ms=float(np.median(samples[1])),
+        tuned_kernels=tuned.tuned_kernels,
+        default_kernels=tuned.default_kernels,
+        records_note=str(tuned.records_note),
+        max_abs_diff=diff,
+        rounds=rounds,
+    )
+
+
+def _flat_numpy(out) -> list[np.ndarray]:
+    if isinstance(out, tvm.runtime.Tensor):
+        return [out.numpy()]
+    return [a for o in out for a in _flat_numpy(o)]
 
 
 def model_roofline_ms(model, roofline: Roofline, target) -> tuple[float, float, int]:

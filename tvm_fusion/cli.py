@@ -12,8 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .api import as_imported
+from . import models, tuning
+from .api import build
+from .benchmark import measure_speedup
+from .demo import run_demo
 from .errors import TvmFusionError
+from .frontend import as_imported
+from .loaded import load, read_inputs
+from .passes import explain
+from .pipeline import pipeline_stages, run_passes
+from .shape_cache import parse_bucket
+from .targets import parse_target
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -61,13 +70,8 @@ def _pipeline_options(args) -> dict:
 
 
 def cmd_build(args) -> int:
-    from .api import build
-    from .targets import parse_target
-
     target = parse_target(args.target, cuda_arch=args.arch)
     imported = as_imported(args.model, args.name)
-    from .shape_cache import parse_bucket
-
     tuning_logs = None if args.no_tuning_logs else args.tuning_logs
     buckets = [parse_bucket(b) for b in args.shape_bucket] or None
     result = build(
@@ -87,27 +91,15 @@ def cmd_build(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from .passes import explain
-    from .pipeline import pipeline_passes
-    from .targets import parse_target
-
     target = parse_target(args.target, cuda_arch=args.arch)
     imported = as_imported(args.model, args.name)
-    passes = pipeline_passes(target, args.policy, **_pipeline_options(args))
-    mod = imported.mod
-    with target:
-        for p in passes:
-            if p.info.name == "ApplyFusionPolicy":
-                break
-            mod = p(mod)
+    stages = pipeline_stages(target, args.policy, **_pipeline_options(args))
+    mod = run_passes(imported.mod, stages.rewrite, target, imported.name)  # what the fusion policy sees
     print(explain(mod, args.policy, target))
     return 0
 
 
 def cmd_tune(args) -> int:
-    from . import tuning
-    from .targets import parse_target
-
     target = parse_target(args.target, cuda_arch=args.arch)
     imported = as_imported(args.model, args.name)
     result = tuning.tune_model(
@@ -119,16 +111,23 @@ def cmd_tune(args) -> int:
         rpc=args.rpc,
         max_trials_per_task=args.trials_per_task,
         options=_pipeline_options(args),
-        measure=args.measure,
         verify_again=args.verify_again,
     )
     print(result)
+    if args.measure:
+        print(
+            measure_speedup(
+                imported,
+                target,
+                tuning_logs=args.tuning_logs,
+                policy=args.policy,
+                options=_pipeline_options(args),
+            )
+        )
     return 0
 
 
 def cmd_run(args) -> int:
-    from .loaded import load, read_inputs
-
     model = load(args.module)
     if not model.from_sidecar:
         print(f"note: no {args.module}.json: inputs as the module declares them", file=sys.stderr)
@@ -143,16 +142,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_examples(_args) -> int:
-    from . import models
-
     for name, fn in models.EXAMPLES.items():
         print(f"{name:20s} {(fn.__doc__ or '').strip().splitlines()[0]}")
     return 0
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
-
     return run_demo(out_dir=args.out_dir, target=args.target)
 
 

@@ -10,9 +10,12 @@ from pathlib import Path
 
 import onnx
 import tvm
+import tvm_ffi
+from tvm import relax
 from tvm.relax.frontend.onnx import from_onnx
 
-from .errors import ModelLoadError, UnsupportedOpError, last_line
+from . import models
+from .errors import ModelLoadError, TvmFusionError, UnsupportedOpError, last_line
 
 # The Relax ONNX frontend implements converters back to opset 1 for most ops, but models older
 # than opset 7 use semantics (e.g. BatchNormalization's spatial/is_test attrs) it does not model.
@@ -42,9 +45,45 @@ class ImportedModel:
     onnx_model: onnx.ModelProto | None = None
 
 
-def model_hash(model: onnx.ModelProto) -> str:
-    """A stable content hash: tuning records are only reused for the exact same model."""
-    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
+def model_hash(model: onnx.ModelProto | tvm.IRModule) -> str:
+    """16 hex digits of content hash: tuning records are only reused for the exact same model.
+    An ONNX model hashes its serialized bytes, a Relax module its structure."""
+    if isinstance(model, onnx.ModelProto):
+        return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
+    return f"{tvm_ffi.structural_hash(model) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def as_imported(model, name: str | None = None) -> ImportedModel:
+    """What ``build`` and ``tune`` accept, as an :class:`ImportedModel`: an ImportedModel, a bundled
+    example's name, an ``.onnx`` path, an ``onnx.ModelProto`` or a Relax IRModule."""
+    if isinstance(model, ImportedModel):
+        return model
+    if isinstance(model, tvm.IRModule):
+        return ImportedModel(
+            mod=model,
+            name=name or "module",
+            model_hash=model_hash(model),
+            inputs=relax_inputs(model),
+            outputs=[],
+        )
+    if isinstance(model, str) and model in models.EXAMPLES and not Path(model).exists():
+        return import_onnx(models.example(model), name or model)
+    if isinstance(model, (str, os.PathLike, onnx.ModelProto)):
+        return import_onnx(model, name)
+    raise TvmFusionError(
+        f"cannot build from {type(model).__name__}: pass an .onnx path, an onnx.ModelProto or a Relax IRModule"
+    )
+
+
+def relax_inputs(mod: tvm.IRModule) -> list[TensorSpec]:
+    """The tensor parameters of ``main`` (symbolic dims by name)."""
+    specs = []
+    for param in mod["main"].params:
+        ty = param.ty
+        if isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr):
+            dims = tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in ty.shape.values)
+            specs.append(TensorSpec(param.name, dims, str(ty.dtype)))
+    return specs
 
 
 def read_onnx(path: str | os.PathLike) -> onnx.ModelProto:

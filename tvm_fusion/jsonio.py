@@ -1,34 +1,15 @@
-"""JSON files users hand us or we hand them: strict reading (one error line naming the file and the
-problem, duplicate keys refused instead of silently keeping the last) and atomic writing with the
-file mode the user's umask asks for (``mkstemp`` alone would leave every file 0600)."""
+"""JSON files users hand us (policies, ``.so.json``): strict reading, one error line naming the file
+and the problem, duplicate keys refused instead of silently keeping the last. Writing is
+``files.write_json_atomic``."""
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from .errors import TvmFusionError
-
-
-def current_umask() -> int:
-    """The process umask, read without changing it where Linux allows (``os.umask`` can only swap)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)  # pragma: no cover - non-Linux: swap and restore
-    os.umask(mask)  # pragma: no cover
-    return mask  # pragma: no cover
-
-
-def default_mode(executable: bool = False) -> int:
-    """What ``open()`` (0666) or a linker (0777) would give a new file under the current umask."""
-    return (0o777 if executable else 0o666) & ~current_umask()
 
 
 def json_type(value: Any) -> str:
@@ -83,20 +64,3 @@ def read_json(path: str | os.PathLike, what: str, error: type[TvmFusionError] = 
             f"{path}: the {what} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}; "
             "truncated?)"
         ) from None
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename: readers never see half a file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, default_mode())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

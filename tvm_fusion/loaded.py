@@ -22,6 +22,7 @@ from tvm import relax
 from .errors import InputError, ModuleError, last_line
 from .frontend import TensorSpec
 from .module_file import check_against_module, check_library, module_inputs, read_metadata, sidecar_path
+from .shape_cache import select_function
 from .targets import device_for, parse_target
 
 
@@ -107,8 +108,6 @@ class LoadedModel:
         return [tvm.runtime.tensor(a, self.device) if isinstance(a, np.ndarray) else a for a in args]
 
     def entry_for(self, arrays) -> str:
-        from .shape_cache import select_function
-
         return select_function(self.buckets, self.inputs, arrays)
 
     def __call__(self, *args, **kwargs):

@@ -24,8 +24,9 @@ import tvm
 from tvm import relax
 
 from .errors import ExportError, ModuleError, TargetError
+from .files import default_mode, write_json_atomic
 from .frontend import TensorSpec
-from .jsonio import default_mode, json_type, read_json, write_json_atomic
+from .jsonio import json_type, read_json
 
 FORMAT = "tvm_fusion/1"
 

@@ -18,14 +18,20 @@ The result is a lowered Relax module; plain ``tvm.compile(mod, target)`` finishe
 
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
 from tvm import relax
 
+from .errors import TvmFusionError, last_line
+from .legalize import register as register_legalizations
+from .passes import ApplyFusionPolicy, CanonicalizeActivations, FoldBatchNorm, HorizontalFuse, RewriteLayout
 from .policy import FusionPolicy
+from .schedules import default_schedule_passes, mark_prepackable
 from .targets import parse_target
 
 # The activation layout the pipeline asks RewriteLayout for, per target kind; measured, see
-# docs/layout.md. On CPU our conv schedule already packs weights into a blocked layout at compile
+# docs/performance.md. On CPU our conv schedule already packs weights into a blocked layout at compile
 # time and picks its vector axis per conv; NCHW activations measured faster than NCHW8c/16c/32c
 # (ResNet-18 at 224: 78 ms vs 148/105/91 ms), so the pipeline keeps them. ``RewriteLayout(target)``
 # on its own still gives NCHW{c} on CPU, and ``layout="NCHW8c"`` selects it here.
@@ -45,7 +51,20 @@ def in_target(
     return _run
 
 
-def pipeline_passes(
+@dataclasses.dataclass
+class PipelineStages:
+    """The pipeline's passes in the four stages a build, tuning and ``explain`` each stop at."""
+
+    rewrite: list  # graph rewrites before fusion: BN fold, activations, horizontal, layout
+    fuse: list  # fusion policy, lowering to TIR: one PrimFunc per group
+    tuned: list  # constant weights marked layout-free, tuned records applied
+    default: list  # default schedules for everything else, packed weights folded
+
+    def passes(self) -> list[tvm.transform.Pass]:
+        return self.rewrite + self.fuse + self.tuned + self.default
+
+
+def pipeline_stages(
     target,
     policy: FusionPolicy | dict | str | None = None,
     *,
@@ -55,6 +74,43 @@ def pipeline_passes(
     fusion: bool = True,
     schedule: bool = True,
     database=None,
+) -> PipelineStages:
+    """The passes of :func:`pipeline`, by stage (see :func:`pipeline_passes` for the options)."""
+    target = parse_target(target)
+    policy = FusionPolicy.coerce(policy)
+    register_legalizations()  # LegalizeOps below lowers NCHW{c} convs and GELU our way
+    horizontal = policy.horizontal if horizontal is None else horizontal
+    rewrite: list[tvm.transform.Pass] = []
+    if fold_batch_norm:
+        rewrite += [FoldBatchNorm(), relax.transform.FoldConstant()]
+    rewrite.append(CanonicalizeActivations())
+    if horizontal:
+        rewrite.append(HorizontalFuse())
+    if layout:
+        chosen = PIPELINE_LAYOUT.get(target.kind.name, "auto") if layout is True else layout
+        rewrite += [RewriteLayout(target, chosen), relax.transform.FoldConstant()]
+    fuse = [ApplyFusionPolicy(policy, target)] if fusion else []
+    fuse += [
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseTIR(),
+        relax.transform.DeadCodeElimination(),
+    ]
+    tuned: list[tvm.transform.Pass] = []
+    default: list[tvm.transform.Pass] = []
+    if schedule:
+        # constant weights marked first, so tuned schedules can pre-pack them like ours do
+        tuned += mark_prepackable(target)
+        if database is not None:
+            tuned.append(in_target(target, _apply_database(database), "MetaScheduleApplyDatabase"))
+        rules, *finish = default_schedule_passes(target)
+        default += [in_target(target, rules, "DefaultSchedules"), *finish]
+    return PipelineStages(rewrite, fuse, tuned, default)
+
+
+def pipeline_passes(
+    target, policy: FusionPolicy | dict | str | None = None, **options
 ) -> list[tvm.transform.Pass]:
     """The passes of :func:`pipeline`, as a list to print, reorder or splice into your own.
 
@@ -74,44 +130,34 @@ def pipeline_passes(
     database : meta_schedule Database | None
         Tuned records to apply before the default schedules.
     """
-    from .passes import (
-        ApplyFusionPolicy,
-        CanonicalizeActivations,
-        FoldBatchNorm,
-        HorizontalFuse,
-        RewriteLayout,
-    )
-    from .schedules import default_schedule_passes, mark_prepackable
+    return pipeline_stages(target, policy, **options).passes()
 
-    target = parse_target(target)
-    policy = FusionPolicy.coerce(policy)
-    horizontal = policy.horizontal if horizontal is None else horizontal
-    passes: list[tvm.transform.Pass] = []
-    if fold_batch_norm:
-        passes += [FoldBatchNorm(), relax.transform.FoldConstant()]
-    passes.append(CanonicalizeActivations())
-    if horizontal:
-        passes.append(HorizontalFuse())
-    if layout:
-        chosen = PIPELINE_LAYOUT.get(target.kind.name, "auto") if layout is True else layout
-        passes += [RewriteLayout(target, chosen), relax.transform.FoldConstant()]
-    if fusion:
-        passes.append(ApplyFusionPolicy(policy, target))
-    passes += [
-        relax.transform.LegalizeOps(),
-        relax.transform.AnnotateTIROpPattern(),
-        relax.transform.FoldConstant(),
-        relax.transform.FuseTIR(),
-        relax.transform.DeadCodeElimination(),
-    ]
-    if schedule:
-        # constant weights marked first, so tuned schedules can pre-pack them like ours do
-        passes += mark_prepackable(target)
-        if database is not None:
-            passes.append(in_target(target, _apply_database(database), "MetaScheduleApplyDatabase"))
-        rules, *finish = default_schedule_passes(target)
-        passes += [in_target(target, rules, "DefaultSchedules"), *finish]
-    return passes
+
+def run_passes(
+    mod: tvm.IRModule, passes: list, target: tvm.target.Target, name: str = "model"
+) -> tvm.IRModule:
+    """Run ``passes`` in order under ``with target:``; a pass that fails is named in one line
+    (``pass X failed on <name>: ...``) instead of a C++ backtrace."""
+    with target:
+        for p in passes:
+            try:
+                mod = p(mod)
+            except TvmFusionError:
+                raise
+            except Exception as err:
+                raise TvmFusionError(f"pass {p.info.name} failed on {name}: {last_line(err)}") from err
+    return mod
+
+
+def unscheduled_module(
+    mod: tvm.IRModule, target: tvm.target.Target, policy=None, name: str = "model", **options
+) -> tvm.IRModule:
+    """The fused module exactly as the build hands it to the schedules (constant weights marked
+    layout-free, nothing scheduled): what tuning must see, since records are keyed by PrimFunc
+    hash. Pass the policy and options the build will get (they shape the fused kernels)."""
+    options = {k: v for k, v in options.items() if k not in ("schedule", "database")}
+    stages = pipeline_stages(target, policy, **options)
+    return run_passes(mod, stages.rewrite + stages.fuse + stages.tuned, target, name)
 
 
 def _apply_database(database) -> tvm.transform.Pass:

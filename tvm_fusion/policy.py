@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .errors import PolicyError
 from .jsonio import json_type, read_json
@@ -176,10 +179,6 @@ class Roofline:
         """Measure copy bandwidth and GEMM FLOP/s with numpy on this machine (takes ~1 s): the best
         of ``tries``, since on a shared machine other tenants only ever make a try slower (a
         512-wide GEMM, best of 5, once read 127 GFLOP/s where kernels then ran at 180)."""
-        import time
-
-        import numpy as np
-
         src = np.ones(size_mb << 18, dtype=np.float32)
         dst = np.empty_like(src)
         best = math.inf

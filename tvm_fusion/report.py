@@ -9,6 +9,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .ir import is_primitive
 from .passes.rewrite_layout import count_layout_transforms  # noqa: F401  (re-exported: one definition)
 
 
@@ -22,7 +23,7 @@ def _calls(mod: tvm.IRModule, include_primitive: bool = False):
     """Every relax.Call in the module's (non-primitive) Relax functions."""
     found = []
     for _, func in _relax_functions(mod):
-        if not include_primitive and _is_primitive(func):
+        if not include_primitive and is_primitive(func):
             continue
         relax.analysis.post_order_visit(
             func, lambda e: found.append(e) if isinstance(e, relax.Call) else None
@@ -111,7 +112,7 @@ def _compute_blocks(func: tvm.tirx.PrimFunc) -> int:
 def summarize(before: tvm.IRModule, after: tvm.IRModule, entry: str = "main") -> Summary:
     """Counts for ``entry`` alone: shape buckets add specialised copies of it, which would otherwise
     count every op once per bucket."""
-    entries = sum(1 for _, f in _relax_functions(after) if not _is_primitive(f))
+    entries = sum(1 for _, f in _relax_functions(after) if not is_primitive(f))
     before, after = entry_only(before, entry), entry_only(after, entry)
     hist = op_counts(before)
     return Summary(
@@ -132,14 +133,10 @@ def entry_only(mod: tvm.IRModule, entry: str = "main") -> tvm.IRModule:
         {
             gv: f
             for gv, f in mod.functions.items()
-            if not isinstance(f, relax.Function) or _is_primitive(f) or gv.name_hint == entry
+            if not isinstance(f, relax.Function) or is_primitive(f) or gv.name_hint == entry
         },
         attrs=mod.attrs,
     )
-
-
-def _is_primitive(func: relax.Function) -> bool:
-    return func.attrs is not None and "Primitive" in func.attrs.keys()
 
 
 def estimated_bytes(mod: tvm.IRModule) -> int:

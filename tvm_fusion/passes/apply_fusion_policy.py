@@ -24,7 +24,9 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..ir import graph_functions
 from ..policy import FLOPS_PER_ELEMENT, REDUCTION_PASSES, FusionPolicy, Roofline
+from ..targets import parse_target
 
 # A symbolic dimension is priced as this many elements (decisions must not depend on run-time shapes).
 SYMBOLIC_DIM_GUESS = 32
@@ -271,24 +273,12 @@ def _reads_per_element(consumer: Node, arg: relax.Var) -> float:
 # -- the pass ---------------------------------------------------------------------------------
 def _target_or_current(target):
     if target is not None:
-        from ..targets import parse_target
-
         return parse_target(target)
     return tvm.target.Target.current(allow_none=True)
 
 
 def _planned_functions(mod: tvm.IRModule):
-    for gvar, func in mod.functions.items():
-        if (
-            isinstance(func, relax.Function)
-            and not _is_primitive(func)
-            and isinstance(func.body, relax.SeqExpr)
-        ):
-            yield gvar, func
-
-
-def _is_primitive(func) -> bool:
-    return func.attrs is not None and "Primitive" in func.attrs.keys() and bool(func.attrs["Primitive"])
+    return ((gvar, func) for gvar, func in graph_functions(mod) if isinstance(func.body, relax.SeqExpr))
 
 
 def explain(mod: tvm.IRModule, policy: FusionPolicy | dict | None = None, target=None) -> str:

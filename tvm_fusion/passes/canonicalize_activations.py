@@ -22,6 +22,8 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from ..ir import graph_functions
+
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 
 
@@ -147,10 +149,8 @@ class CanonicalizeActivations:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         changed = False
         mod = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)  # never edit the caller's module
-        for gvar, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-                continue
-            if func.attrs is not None and "Primitive" in func.attrs.keys():
+        for gvar, func in list(graph_functions(mod)):
+            if not isinstance(func.body, relax.SeqExpr):
                 continue
             new_func = _rewrite(func, mod)
             if new_func is not None:

@@ -42,7 +42,8 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.ir import Op
+
+from ..ir import dtype_of, graph_functions, op_name, static_shape, tensor_type
 
 __all__ = ["FoldBatchNorm"]
 
@@ -55,28 +56,23 @@ _PERMUTE = "relax.permute_dims"
 _ASTYPE = "relax.astype"
 
 
-def FoldBatchNorm(lower_unfoldable: bool = True) -> tvm.transform.Pass:  # noqa: N802 (TVM pass style)
+@tvm.transform.module_pass(opt_level=0, name="FoldBatchNorm")
+class FoldBatchNorm:
     """Fold inference batch_norm into adjacent constant conv/matmul weights (see module docstring).
 
-    ``lower_unfoldable``: rewrite a BN with constant params but no foldable neighbour into a
-    per-channel ``multiply`` + ``add`` (default); ``False`` leaves such BNs as they are.
+    Parameters
+    ----------
+    lower_unfoldable : bool
+        Rewrite a BN with constant params but no foldable neighbour into a per-channel
+        ``multiply`` + ``add`` (default); ``False`` leaves such BNs as they are.
     """
-    return _FoldBatchNormPass(lower_unfoldable)
 
-
-@tvm.transform.module_pass(opt_level=0, name="FoldBatchNorm")
-class _FoldBatchNormPass:
     def __init__(self, lower_unfoldable: bool = True):
         self.lower_unfoldable = lower_unfoldable
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         updates = {}
-        for gvar, func in mod.functions_items():
-            if not isinstance(func, relax.Function):
-                continue
-            attrs = func.attrs
-            if attrs is not None and "Primitive" in attrs.keys() and int(attrs["Primitive"]) != 0:
-                continue
+        for gvar, func in graph_functions(mod):
             new_func = _fold_function(func, self.lower_unfoldable)
             if new_func is not func:
                 updates[gvar] = new_func
@@ -109,7 +105,7 @@ def _count_bn(func: relax.Function) -> int:
     return sum(
         1
         for val in relax.analysis.get_var2val(func).values()
-        if isinstance(val, relax.Call) and _op_name(val) == _BN
+        if isinstance(val, relax.Call) and op_name(val) == _BN
     )
 
 
@@ -132,30 +128,6 @@ class _Rewriter(relax.PyExprMutator):
 
 
 # -- helpers ----------------------------------------------------------------------------------
-def _op_name(call) -> str | None:
-    return call.op.name if isinstance(call, relax.Call) and isinstance(call.op, Op) else None
-
-
-def _tensor_ty(expr):
-    ty = getattr(expr, "ty", None)
-    return ty if isinstance(ty, relax.TensorType) else None
-
-
-def _static_shape(expr) -> tuple | None:
-    ty = _tensor_ty(expr)
-    if ty is None or ty.shape is None:
-        return None
-    dims = []
-    for d in ty.shape:
-        if not isinstance(d, tvm.tirx.IntImm):
-            return None
-        dims.append(int(d))
-    return tuple(dims)
-
-
-def _dtype(expr) -> str | None:
-    ty = _tensor_ty(expr)
-    return None if ty is None else str(ty.dtype)
 
 
 def _is_float(dtype: str | None) -> bool:
@@ -238,7 +210,7 @@ class _Planner:
         """numpy value of a constant expression (constants through reshape/permute_dims/astype)."""
         if depth > 8:
             return None
-        if isinstance(expr, tvm.ir.Constant) and hasattr(expr, "value") and _tensor_ty(expr) is not None:
+        if isinstance(expr, tvm.ir.Constant) and hasattr(expr, "value") and tensor_type(expr) is not None:
             try:
                 return expr.value.numpy()
             except Exception:  # non-tensor payload
@@ -248,10 +220,10 @@ class _Planner:
                 return None
             val = self.var2val.get(expr)
             return None if val is None else self.const_value(val, depth + 1)
-        name = _op_name(expr)
+        name = op_name(expr)
         if name in (_RESHAPE, _PERMUTE, _ASTYPE):
             inner = self.const_value(expr.args[0], depth + 1)
-            shape = _static_shape(expr)
+            shape = static_shape(expr)
             if inner is None or shape is None:
                 return None
             if name == _RESHAPE:
@@ -260,7 +232,7 @@ class _Planner:
                 axes = expr.attrs.axes
                 axes = None if axes is None else [int(a) for a in axes]
                 return np.transpose(inner, axes)
-            return inner.astype(_dtype(expr))
+            return inner.astype(dtype_of(expr))
         return None
 
     def channel_vector(self, expr, out_shape: tuple, axis: int) -> np.ndarray | None:
@@ -281,7 +253,7 @@ class _Planner:
     # -- planning -------------------------------------------------------------------------
     def plan(self) -> dict:
         for binding in self.dataflow_bindings:
-            if isinstance(binding, relax.VarBinding) and _op_name(binding.value) == _BN:
+            if isinstance(binding, relax.VarBinding) and op_name(binding.value) == _BN:
                 self._plan_bn(binding.var, binding.value)
         return self.plans
 
@@ -292,7 +264,7 @@ class _Planner:
         x = bn.args[0]
         if self._touches_replaced(x):
             return  # its input is rewritten this round: plan it next round, on the new IR
-        shape, dtype = _static_shape(x), _dtype(x)
+        shape, dtype = static_shape(x), dtype_of(x)
         if shape is None or not _is_float(dtype):
             return
         axis = int(attrs.axis)
@@ -341,15 +313,15 @@ class _Planner:
         if x in self.replaced:
             return True
         val = self.var2val.get(x) if isinstance(x, relax.Var) else None
-        return _op_name(val) == _ADD and any(a in self.replaced for a in val.args)
+        return op_name(val) == _ADD and any(a in self.replaced for a in val.args)
 
     def _split_bias(self, bn_var, x, axis, shape):
         """If x = add(z, per-channel const) used only by the BN, return (z, bias, add_var)."""
         val = self._value(x)
-        if _op_name(val) != _ADD or not self._only_user_is(x, bn_var) or x in self.looked:
+        if op_name(val) != _ADD or not self._only_user_is(x, bn_var) or x in self.looked:
             return x, np.zeros(shape[axis]), None
         for z, b in ((val.args[0], val.args[1]), (val.args[1], val.args[0])):
-            if not isinstance(z, relax.Var) or _static_shape(z) != shape or _dtype(z) != _dtype(x):
+            if not isinstance(z, relax.Var) or static_shape(z) != shape or dtype_of(z) != dtype_of(x):
                 continue
             vec = self.channel_vector(b, shape, axis)
             if vec is not None:
@@ -362,7 +334,7 @@ class _Planner:
         prod = self._value(z)
         if prod is None or z in self.looked or not self._only_user_is(z, consumer):
             return False
-        name = _op_name(prod)
+        name = op_name(prod)
         new_bias = s * bias + t
         if name in _CONVS:
             new_op = self._scaled_conv(prod, axis, len(shape), dtype, s)
@@ -387,7 +359,7 @@ class _Planner:
         if len(o_layout) != ndim or o_layout.find("C") != axis or not _out_dtype_ok(conv, dtype):
             return None
         w = self.const_value(weight)
-        if w is None or _dtype(weight) != dtype or w.shape[k_layout.index("O")] != s.shape[0]:
+        if w is None or dtype_of(weight) != dtype or w.shape[k_layout.index("O")] != s.shape[0]:
             return None
         scale_shape = [1] * w.ndim
         scale_shape[k_layout.index("O")] = s.shape[0]
@@ -396,10 +368,10 @@ class _Planner:
 
     def _scaled_matmul(self, mm, dtype, s):
         data, weight = mm.args
-        if not _out_dtype_ok(mm, dtype) or _dtype(weight) != dtype:
+        if not _out_dtype_ok(mm, dtype) or dtype_of(weight) != dtype:
             return None
         wval = self._value(weight) if isinstance(weight, relax.Var) else None
-        if _op_name(wval) == _PERMUTE:  # Gemm transB / linear: keep the permute over a new const
+        if op_name(wval) == _PERMUTE:  # Gemm transB / linear: keep the permute over a new const
             w0 = self.const_value(wval.args[0])
             axes = wval.attrs.axes
             if w0 is not None and w0.ndim == 2 and (axes is None or [int(a) for a in axes] == [1, 0]):
@@ -428,7 +400,7 @@ class _Planner:
             return False
         if any(a.same_as(y) for a in op.args[1:]):
             return False
-        name = _op_name(op)
+        name = op_name(op)
         if name in _CONVS:
             new = self._conv_absorbing_input(op, x, axis, len(shape), dtype, s, t)
         elif name == _MATMUL and axis == len(shape) - 1 and len(shape) >= 1:
@@ -454,8 +426,8 @@ class _Planner:
         if any(int(p) != 0 for p in attrs.padding) or not _out_dtype_ok(conv, dtype):
             return None  # padded zeros would need the shift too: not exact, leave it
         w = self.const_value(weight)
-        out_shape = _static_shape(conv)
-        if w is None or _dtype(weight) != dtype or out_shape is None:
+        out_shape = static_shape(conv)
+        if w is None or dtype_of(weight) != dtype or out_shape is None:
             return None
         w_oi, perm = _to_oi(w.astype(np.float64), k_layout)
         cout, ipg = w_oi.shape[0], w_oi.shape[1]
@@ -477,7 +449,7 @@ class _Planner:
 
     def _matmul_absorbing_input(self, mm, x, dtype, s, t):
         weight = mm.args[1]
-        if not _out_dtype_ok(mm, dtype) or _dtype(weight) != dtype:
+        if not _out_dtype_ok(mm, dtype) or dtype_of(weight) != dtype:
             return None
         w = self.const_value(weight)
         if w is None or w.ndim != 2 or w.shape[0] != s.shape[0]:

@@ -67,6 +67,8 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from ..ir import dtype_of, graph_functions, op_name, shape_dims
+
 ATTR_KEY = "tvm_fusion.horizontal_fuse"
 
 # Unary, shape-preserving elementwise ops that are safe to apply to a concatenation.
@@ -118,26 +120,6 @@ _INF = float("inf")
 
 
 # -- small helpers ------------------------------------------------------------------------------
-def _op_name(expr) -> str | None:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-        return expr.op.name
-    return None
-
-
-def _static_shape(expr) -> tuple | None:
-    """Shape as a tuple of ints/None (None for symbolic dims); None if the rank is unknown."""
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        return None
-    shape = ty.shape
-    if not isinstance(shape, relax.ShapeExpr):
-        return None
-    return tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in shape.values)
-
-
-def _dtype(expr) -> str:
-    ty = expr.ty
-    return str(ty.dtype) if isinstance(ty, relax.TensorType) else ""
 
 
 def _is_const(expr) -> bool:
@@ -154,7 +136,7 @@ def _const_value(expr, var2val, depth: int = 0) -> np.ndarray | None:
     if depth > 4 or not isinstance(expr, relax.Var) or expr not in var2val:
         return None
     value = var2val[expr]
-    name = _op_name(value)
+    name = op_name(value)
     if name == "relax.permute_dims":
         arr = _const_value(value.args[0], var2val, depth + 1)
         if arr is None:
@@ -163,7 +145,7 @@ def _const_value(expr, var2val, depth: int = 0) -> np.ndarray | None:
         return np.transpose(arr, None if axes is None else [int(a) for a in axes])
     if name == "relax.reshape":
         arr = _const_value(value.args[0], var2val, depth + 1)
-        shape = _static_shape(value)
+        shape = shape_dims(value)
         if arr is None or shape is None or None in shape:
             return None
         return arr.reshape(shape)
@@ -258,7 +240,7 @@ class _Planner:
             if not isinstance(binding, relax.VarBinding):
                 continue
             value = binding.value
-            name = _op_name(value)
+            name = op_name(value)
             if name == _MATMUL and self.opts["matmul"]:
                 key_br = self._matmul_branch(pi, binding.var, value)
             elif name == _CONV2D and self.opts["conv2d"]:
@@ -308,10 +290,10 @@ class _Planner:
         if not isinstance(lhs, relax.Var):
             return None
         w = _const_value(rhs, self.var2val)
-        out_shape = _static_shape(var)
-        if w is None or w.ndim < 2 or out_shape is None or _static_shape(lhs) is None:
+        out_shape = shape_dims(var)
+        if w is None or w.ndim < 2 or out_shape is None or shape_dims(lhs) is None:
             return None
-        if str(w.dtype) != _dtype(rhs) or out_shape[-1] != w.shape[-1]:
+        if str(w.dtype) != dtype_of(rhs) or out_shape[-1] != w.shape[-1]:
             return None
         key = (
             "matmul",
@@ -320,9 +302,9 @@ class _Planner:
             lhs,
             w.shape[:-1],
             str(w.dtype),
-            _dtype(var),
+            dtype_of(var),
             str(call.attrs.out_dtype),
-            _dtype(lhs),
+            dtype_of(lhs),
         )
         return key, _Branch(pi, var, call, weight=w, width=int(w.shape[-1]))
 
@@ -336,10 +318,10 @@ class _Planner:
         o_axis = _layout_axis(str(a.kernel_layout), "O")
         c_axis = _layout_axis(out_layout, "C")
         w = _const_value(rhs, self.var2val)
-        out_shape = _static_shape(var)
+        out_shape = shape_dims(var)
         if o_axis is None or c_axis is None or w is None or w.ndim != 4 or out_shape is None:
             return None
-        if str(w.dtype) != _dtype(rhs) or out_shape[c_axis] != w.shape[o_axis]:
+        if str(w.dtype) != dtype_of(rhs) or out_shape[c_axis] != w.shape[o_axis]:
             return None
         rest = tuple(d for i, d in enumerate(w.shape) if i != o_axis)
         ints = lambda arr: tuple(int(x) for x in arr)  # noqa: E731
@@ -350,7 +332,7 @@ class _Planner:
             lhs,
             rest,
             str(w.dtype),
-            _dtype(var),
+            dtype_of(var),
             str(a.out_dtype),
             ints(a.strides),
             ints(a.padding),
@@ -371,18 +353,18 @@ class _Planner:
                 return False
             add_binding = self.func.body.blocks[bi].bindings[sites[0][1]]
             value = add_binding.value
-            if _op_name(value) != _ADD or not isinstance(add_binding, relax.VarBinding):
+            if op_name(value) != _ADD or not isinstance(add_binding, relax.VarBinding):
                 return False
             a, b = value.args
             other = b if a.same_as(br.call_var) else a if b.same_as(br.call_var) else None
             if other is None or other.same_as(br.call_var):
                 return False
             bias = _const_value(other, self.var2val)
-            if bias is None or str(bias.dtype) != _dtype(br.call_var):
+            if bias is None or str(bias.dtype) != dtype_of(br.call_var):
                 return False
-            if _static_shape(add_binding.var) != _static_shape(br.call_var):
+            if shape_dims(add_binding.var) != shape_dims(br.call_var):
                 return False  # the add broadcasts the result: not a plain bias
-            shape = _static_shape(br.call_var)
+            shape = shape_dims(br.call_var)
             if bias.ndim > len(shape):
                 return False
             padded = bias.reshape((1,) * (len(shape) - bias.ndim) + bias.shape)
@@ -411,11 +393,11 @@ class _Planner:
                 return False
             binding = self.func.body.blocks[bi].bindings[sites[0][1]]
             value = binding.value
-            if not isinstance(binding, relax.VarBinding) or _op_name(value) not in _ELEMWISE_OPS:
+            if not isinstance(binding, relax.VarBinding) or op_name(value) not in _ELEMWISE_OPS:
                 return False
             if not value.args[0].same_as(var) or any(a.same_as(var) for a in value.args[1:]):
                 return False
-            if _static_shape(binding.var) != _static_shape(var) or _dtype(binding.var) != _dtype(var):
+            if shape_dims(binding.var) != shape_dims(var) or dtype_of(binding.var) != dtype_of(var):
                 return False
             if first is None:
                 first = value
@@ -432,22 +414,22 @@ class _Planner:
         block = self.func.body.blocks[bi]
         sites = self.uses.get(var, [])
         return bool(sites) and all(
-            b == bi and _op_name(block.bindings[p].value) in _SLICE_FRIENDLY for b, p in sites
+            b == bi and op_name(block.bindings[p].value) in _SLICE_FRIENDLY for b, p in sites
         )
 
     # elementwise ------------------------------------------------------------------------------
     def _elem_key(self, var, call):
         if len(call.args) < 1 or not isinstance(call.args[0], relax.Var):
             return None
-        shape = _static_shape(var)
-        if shape is None or len(shape) == 0 or None in shape or _static_shape(call.args[0]) != shape:
+        shape = shape_dims(var)
+        if shape is None or len(shape) == 0 or None in shape or shape_dims(call.args[0]) != shape:
             return None
         if int(np.prod(shape)) > self.opts["elementwise_max_numel"]:
             return None
         # extra args (e.g. clip bounds) and attrs must be identical across the group
         extra = tuple(tvm_ffi.structural_hash(a) for a in call.args[1:])
         attrs = tvm_ffi.structural_hash(call.attrs) if call.attrs is not None else 0
-        return (call.op.name, shape, _dtype(var), _dtype(call.args[0]), extra, attrs)
+        return (call.op.name, shape, dtype_of(var), dtype_of(call.args[0]), extra, attrs)
 
     def _first_use(self, bi, var):
         sites = [p if b == bi else _INF for b, p in self.uses.get(var, [])]
@@ -528,7 +510,7 @@ class _Rewriter(relax.PyExprMutator):
             y = bb.emit(
                 relax.Call(tmpl.op, args, tmpl.attrs, tmpl.ty_args), "hfuse_" + tmpl.op.name.split(".")[-1]
             )
-            widths = [int(_static_shape(br.call_var)[0]) for br in g.branches]
+            widths = [int(shape_dims(br.call_var)[0]) for br in g.branches]
         else:
             tmpl = g.branches[0].call
             x = self.visit_expr(g.lhs)
@@ -633,11 +615,8 @@ class HorizontalFuse:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         stats = {"groups": 0, "branches": 0, "matmul": 0, "conv2d": 0, "elementwise": 0}
         updates = {}
-        for gvar in sorted(mod.functions.keys(), key=lambda g: g.name_hint):
-            func = mod[gvar]
-            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-                continue
-            if func.attrs is not None and ("Primitive" in func.attrs or "Codegen" in func.attrs):
+        for gvar, func in graph_functions(mod):
+            if not isinstance(func.body, relax.SeqExpr):
                 continue
             groups = _Planner(func, self.opts).plan()
             if not groups:
@@ -679,7 +658,7 @@ def count_horizontal_groups(mod: tvm.IRModule) -> dict:
         var2val = relax.analysis.get_var2val(func)
         outputs: dict = {}  # source var -> number of branches read from it
         for value in var2val.values():
-            name = _op_name(value)
+            name = op_name(value)
             if name not in ("relax.split", "relax.strided_slice") or not isinstance(value.args[0], relax.Var):
                 continue
             n = len(value.ty.fields) if name == "relax.split" else 1
@@ -696,12 +675,12 @@ def count_horizontal_groups(mod: tvm.IRModule) -> dict:
 
 def _source_kind(var, var2val) -> str | None:
     src = var2val.get(var)
-    if _op_name(src) in _ELEMWISE_OPS and isinstance(src.args[0], relax.Var):
+    if op_name(src) in _ELEMWISE_OPS and isinstance(src.args[0], relax.Var):
         src = var2val.get(src.args[0])  # elementwise group's op, or a carried activation
-        if _op_name(src) == "relax.concat":
+        if op_name(src) == "relax.concat":
             return "elementwise"
-    if _op_name(src) == _ADD:
+    if op_name(src) == _ADD:
         a, b = src.args
         inner = a if isinstance(a, relax.Var) and _is_const(b) else b
         src = var2val.get(inner) if isinstance(inner, relax.Var) else None
-    return {_MATMUL: "matmul", _CONV2D: "conv2d"}.get(_op_name(src))
+    return {_MATMUL: "matmul", _CONV2D: "conv2d"}.get(op_name(src))

@@ -36,12 +36,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import tvm
-from tvm import relax, te, topi
+from tvm import relax, s_tir
 from tvm.ir import Op
+from tvm.sym import Analyzer
+from tvm.target import codegen
 
-from ..legalize import override_legalization
+from ..ir import graph_functions, op_name, static_shape
+from ..legalize import register as register_legalizations
+from ..legalize.nchwc_conv import out_dtype
+from ..targets import is_gpu, parse_target
 
-__all__ = ["RewriteLayout", "count_layout_transforms", "choose_layout", "legalize_conv2d_nchwc"]
+__all__ = ["RewriteLayout", "count_layout_transforms", "choose_layout"]
 
 _Const = tvm.ir.expr.Constant
 _LT = Op.get("relax.layout_transform")
@@ -75,7 +80,6 @@ _BINARY = {
     "relax.power",
 }
 _POOL = {"relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d"}
-_GPU_KINDS = {"cuda", "rocm", "vulkan", "metal", "opencl", "webgpu"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,7 +145,6 @@ def _parse_layout(layout) -> _Layout | None:
 
 def _cpu_block(target: tvm.target.Target) -> int:
     """fp32 lanes of the widest SIMD register the CPU has."""
-    from tvm.target import codegen
 
     def has(feature):
         try:
@@ -168,144 +171,20 @@ def choose_layout(target=None, layout="auto") -> str:
         return "NCHW" if str(layout) == "NCHW" else _parse_layout(layout).name
     if target is None:
         target = tvm.target.Target.current(allow_none=True)
-    if target is None:
-        from ..targets import parse_target
-
-        target = parse_target("llvm")
-    elif not isinstance(target, tvm.target.Target):
-        from ..targets import parse_target
-
-        target = parse_target(target)
-    kind = target.kind.name
-    if kind in _GPU_KINDS:
+    target = parse_target("llvm" if target is None else target)
+    if is_gpu(target):
         return "NHWC"
-    if kind == "llvm":
+    if target.kind.name == "llvm":
         return f"NCHW{_cpu_block(target)}c"
     return "NCHW"
 
 
 # ------------------------------------------------------------------------------------------------
-# NCHWc conv2d legalization (Relax 0.27 refuses blocked conv layouts)
-# ------------------------------------------------------------------------------------------------
-_NCHWC_RE = re.compile(r"NCHW(\d+)c")
-_OIHWIO_RE = re.compile(r"OIHW(\d+)i(\d+)o")
-
-
-def _nchwc_conv_te(data, kernel, strides, padding, dilation, depthwise, out_dtype):
-    """TE compute for NCHW{ib}c x OIHW{ib}i{ob}o -> NCHW{ob}c (or depthwise OIHW1i{b}o).
-
-    Blocks: ``data_pad`` (only if padding), then ``conv2d_NCHWc`` / ``depthwise_conv2d_NCHWc``,
-    spatial iters (n, oc_chunk, oh, ow, oc_block) and reduce iters (ic_chunk, kh, kw, ic_block)
-    (depthwise: (kh, kw)).
-    """
-    n, ic_chunk, ih, iw, ic_bn = (int(x) for x in data.shape)
-    oc_chunk, k_icc, kh_, kw_, k_icb, oc_bn = (int(x) for x in kernel.shape)
-    sh, sw = (int(s) for s in strides)
-    dh, dw = (int(d) for d in dilation)
-    pt, pl, pb, pr = (int(p) for p in padding)
-    oh_ = (ih + pt + pb - (kh_ - 1) * dh - 1) // sh + 1
-    ow_ = (iw + pl + pr - (kw_ - 1) * dw - 1) // sw + 1
-    if pt or pl or pb or pr:
-        data = topi.nn.pad(data, [0, 0, pt, pl, 0], [0, 0, pb, pr, 0], name="data_pad")
-    out_dtype = out_dtype or data.dtype
-    kh = te.reduce_axis((0, kh_), name="kh")
-    kw = te.reduce_axis((0, kw_), name="kw")
-    if depthwise:
-        return te.compute(
-            (n, oc_chunk, oh_, ow_, oc_bn),
-            lambda b, occ, oh, ow, ocb: te.sum(
-                data[b, occ, oh * sh + kh * dh, ow * sw + kw * dw, ocb].astype(out_dtype)
-                * kernel[occ, 0, kh, kw, 0, ocb].astype(out_dtype),
-                axis=[kh, kw],
-            ),
-            name="depthwise_conv2d_NCHWc",
-        )
-    icc = te.reduce_axis((0, ic_chunk), name="ic_chunk")
-    icb = te.reduce_axis((0, ic_bn), name="ic_block")
-    return te.compute(
-        (n, oc_chunk, oh_, ow_, oc_bn),
-        lambda b, occ, oh, ow, ocb: te.sum(
-            data[b, icc, oh * sh + kh * dh, ow * sw + kw * dw, icb].astype(out_dtype)
-            * kernel[occ, icc, kh, kw, icb, ocb].astype(out_dtype),
-            axis=[icc, kh, kw, icb],
-        ),
-        name="conv2d_NCHWc",
-    )
-
-
-def legalize_conv2d_nchwc(bb: relax.BlockBuilder, call: relax.Call):
-    """Legalize an NCHW{i}c conv2d (kernel OIHW{i}i{o}o, out NCHW{o}c); None if not that form."""
-    attrs = call.attrs
-    dm = _NCHWC_RE.fullmatch(str(attrs.data_layout))
-    om = _NCHWC_RE.fullmatch(str(attrs.out_layout))
-    km = _OIHWIO_RE.fullmatch(str(attrs.kernel_layout))
-    if not (dm and om and km):
-        return None
-    data_sinfo, kernel_sinfo = call.args[0].ty, call.args[1].ty
-    if not all(isinstance(s, relax.TensorType) and s.shape is not None for s in (data_sinfo, kernel_sinfo)):
-        return None
-    try:
-        dshape = [int(x) for x in data_sinfo.shape]
-        kshape = [int(x) for x in kernel_sinfo.shape]
-    except (TypeError, ValueError):
-        return None  # symbolic shapes: not supported
-    groups = int(attrs.groups)
-    cin = dshape[1] * dshape[4]
-    depthwise = (
-        groups > 1 and groups == cin and kshape[1] == 1 and kshape[4] == 1 and kshape[0] * kshape[5] == cin
-    )
-    if depthwise:
-        if not int(dm.group(1)) == int(om.group(1)) == int(km.group(2)) or int(km.group(1)) != 1:
-            return None
-    elif groups != 1 or int(dm.group(1)) != int(km.group(1)) or int(om.group(1)) != int(km.group(2)):
-        return None
-    out_dtype = _out_dtype(attrs)
-    return bb.call_te(
-        _nchwc_conv_te,
-        call.args[0],
-        call.args[1],
-        [int(x) for x in attrs.strides],
-        [int(x) for x in attrs.padding],
-        [int(x) for x in attrs.dilation],
-        depthwise,
-        out_dtype,
-        primfunc_name_hint="depthwise_conv2d_NCHWc" if depthwise else "conv2d_NCHWc",
-    )
-
-
-# Relax 0.27's conv2d legalization refuses blocked layouts: ours lowers NCHWc, TVM's the rest.
-_stock_conv2d_legalize = override_legalization("relax.nn.conv2d", legalize_conv2d_nchwc)
-
-
-# ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-def _static_shape(expr) -> list[int] | None:
-    sinfo = getattr(expr, "ty", None)
-    if not isinstance(sinfo, relax.TensorType) or sinfo.shape is None:
-        return None
-    if not isinstance(sinfo.shape, relax.ShapeExpr):
-        return None
-    try:
-        return [int(x) for x in sinfo.shape.values]
-    except (TypeError, ValueError):
-        return None
-
-
-def _out_dtype(attrs) -> str | None:
-    text = "" if attrs.out_dtype is None else str(attrs.out_dtype)
-    return None if text in ("", "void", "None") else text
-
-
-def _op_name(call) -> str | None:
-    return call.op.name if isinstance(call, relax.Call) and isinstance(call.op, Op) else None
 
 
 def _analyzer():
-    try:
-        from tvm.sym import Analyzer  # TVM 0.27
-    except ImportError:  # older TVM
-        from tvm.arith import Analyzer
     return Analyzer()
 
 
@@ -313,7 +192,7 @@ def _is_identity_pair(inner: relax.Call, outer: relax.Call) -> bool:
     """outer(inner(x)) == x: same shape before and after and the index maps compose to identity."""
     if inner.attrs.pad_value is not None or outer.attrs.pad_value is not None:
         return False
-    src, dst = _static_shape(inner.args[0]), _static_shape(outer)
+    src, dst = static_shape(inner.args[0]), static_shape(outer)
     if src is None or dst is None or src != dst:
         return False
     m1, m2 = inner.attrs.index_map, outer.attrs.index_map
@@ -337,8 +216,6 @@ def _is_identity_pair(inner: relax.Call, outer: relax.Call) -> bool:
 
 def _elementwise_block(func: tvm.tirx.PrimFunc):
     """(schedule, block) if ``func`` is one spatial block that reads same-index or scalar buffers."""
-    from tvm import s_tir
-
     try:
         sch = s_tir.Schedule(func)
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
@@ -447,8 +324,8 @@ class _LayoutRewriter(relax.PyExprMutator):
 
     def _convert(self, call: relax.Call):
         """(layout, new expr) if ``call`` runs in the target layout, else None."""
-        name = _op_name(call)
-        out_shape = _static_shape(call)
+        name = op_name(call)
+        out_shape = static_shape(call)
         if name == "relax.nn.conv2d":
             return self._conv2d(call)
         if name == "relax.layout_transform":
@@ -519,8 +396,8 @@ class _LayoutRewriter(relax.PyExprMutator):
         if not isinstance(weight, _Const):
             return None
         dshape, oshape, wshape = (
-            _static_shape(data),
-            _static_shape(call),
+            static_shape(data),
+            static_shape(call),
             [int(x) for x in weight.value.shape],
         )
         if dshape is None or oshape is None:
@@ -533,7 +410,7 @@ class _LayoutRewriter(relax.PyExprMutator):
             padding=[int(x) for x in a.padding],
             dilation=[int(x) for x in a.dilation],
             groups=groups,
-            out_dtype=_out_dtype(a),
+            out_dtype=out_dtype(a),
         )
         if lay.block == 0:
             new_w = relax.const(np.ascontiguousarray(w.transpose(0, 2, 3, 1)))
@@ -578,15 +455,15 @@ class _LayoutRewriter(relax.PyExprMutator):
             return None
         new_args = []
         for arg in call.args:
-            shape = _static_shape(arg)
+            shape = static_shape(arg)
             if shape is None:
                 return None
-            if len(shape) == 0 or shape == [1]:
+            if len(shape) == 0 or shape == (1,):
                 new_args.append(self.visit_expr(arg) if not isinstance(arg, _Const) else arg)
             elif isinstance(arg, _Const):
                 if len(shape) > 4:
                     return None
-                arr = arg.value.numpy().reshape([1] * (4 - len(shape)) + shape)
+                arr = arg.value.numpy().reshape((1,) * (4 - len(shape)) + shape)
                 if arr.shape[1] not in (1, out_shape[1]):
                     return None
                 new_args.append(relax.const(lay.np_act(arr)))
@@ -613,7 +490,7 @@ class _LayoutRewriter(relax.PyExprMutator):
             lay = lay or self._native_layout(arg)
         if lay is None or not lay.fits(out_shape[1]):
             return None
-        shapes = [_static_shape(a) for a in args.fields]
+        shapes = [static_shape(a) for a in args.fields]
         if any(s is None or (s != out_shape and len(s) != 0) for s in shapes):
             return None
         key = (gvar, lay)
@@ -722,34 +599,36 @@ def _cleanup(mod: tvm.IRModule) -> tvm.IRModule:
 # public API
 # ------------------------------------------------------------------------------------------------
 @tvm.transform.module_pass(opt_level=0, name="RewriteLayout")
-class _RewriteLayoutPass:
+class RewriteLayout:
+    """Rewrite conv regions into the target's layout (NHWC on GPUs, NCHW{b}c on LLVM CPUs).
+
+    Parameters
+    ----------
+    target : Target | str | dict | None
+        Picks the layout when ``layout`` is None (else ``Target.current()``, else the host CPU).
+    layout : str | None
+        Overrides the choice: ``"NHWC"``, ``"NCHW8c"`` (any block), ``"NCHW"`` (only cancel
+        redundant transforms).
+    """
+
     def __init__(self, target=None, layout=None):
         self.target = target
         self.layout = layout
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        register_legalizations()  # the NCHW{c} convs this writes need our conv2d lowering
         chosen = choose_layout(self.target, "auto" if self.layout is None else self.layout)
         mod = _cleanup(mod)
         if chosen == "NCHW":
             return mod
         lay = _parse_layout(chosen)
         rewriter = _LayoutRewriter(mod, lay)
-        for gv, func in list(mod.functions.items()):
-            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs.keys()):
-                new_func = rewriter.visit_expr(func)
-                rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
+        for gv, func in list(graph_functions(mod)):
+            new_func = rewriter.visit_expr(func)
+            rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
         mod = rewriter.builder_.get()
         mod = relax.transform.DeadCodeElimination()(mod)
         return _cleanup(mod)
-
-
-def RewriteLayout(target=None, layout=None) -> tvm.transform.Pass:
-    """Rewrite conv regions into the target's layout (NHWC on GPUs, NCHW{b}c on LLVM CPUs).
-
-    ``layout`` overrides the choice: ``"NHWC"``, ``"NCHW8c"`` (any block), ``"NCHW"`` (only cancel
-    redundant transforms) or None (from ``target``, else ``Target.current()``, else the host CPU).
-    """
-    return _RewriteLayoutPass(target=target, layout=layout)
 
 
 def count_layout_transforms(mod: tvm.IRModule, include_permute_dims: bool = False) -> int:
@@ -778,7 +657,7 @@ def count_layout_transforms(mod: tvm.IRModule, include_permute_dims: bool = Fals
             if expr.op.same_as(_LT):
                 count += 1
             elif include_permute_dims and expr.op.name == "relax.permute_dims":
-                shape = _static_shape(expr)
+                shape = static_shape(expr)
                 if shape is not None and len(shape) in (4, 5):
                     count += 1
             elif expr.op.same_as(_CALL_TIR) and isinstance(expr.args[0], relax.GlobalVar):

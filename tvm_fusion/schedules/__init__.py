@@ -5,10 +5,6 @@
 compile time: it marks constant PrimFunc arguments layout-free, schedules, splits the packing
 blocks into their own PrimFuncs and folds them into new constants (weights must be bound
 ``relax.Constant``s, as ``from_onnx(keep_params_in_input=False)`` gives).
-
-Importing this package also registers a float32 ``relax.nn.gelu`` legalization that uses the
-vectorizable ``topi.fast_erf`` instead of scalar ``erff`` (see ``fast_gelu.py``; switch it off
-with ``set_fast_gelu(False)``, ``with fast_gelu(False):`` or ``TVM_FUSION_FAST_GELU=0``).
 """
 
 from __future__ import annotations
@@ -17,16 +13,11 @@ import tvm
 from tvm import relax
 from tvm.s_tir import dlight as dl
 
-from ..targets import is_gpu
+from ..targets import is_gpu, parse_target
 from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, cpu_rules
-from .fast_gelu import fast_gelu, fast_gelu_enabled, set_fast_gelu  # registers the GELU legalization
 
 
 def _target(target):
-    if isinstance(target, tvm.target.Target):
-        return target
-    from ..targets import parse_target
-
     return parse_target(target)
 
 
@@ -95,7 +86,4 @@ __all__ = [
     "default_rules",
     "default_schedule_passes",
     "mark_prepackable",
-    "fast_gelu",
-    "fast_gelu_enabled",
-    "set_fast_gelu",
 ]

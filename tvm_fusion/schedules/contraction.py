@@ -64,6 +64,7 @@ from ._util import (
     uses_var,
     vector_lanes,
 )
+from .fallback import get_sblock_realize, schedule_nest
 from .plane import flatten_plane, inline_plain_copies
 
 GATHER_PENALTY = 10.0  # a strided operand along the vector axis: one load per lane
@@ -99,7 +100,7 @@ class Contraction(CpuRule):
         self.plan_rank = plan_rank
 
     @safe_rule
-    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):  # noqa: ARG002
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         opened = self.normalized(func, target)
         if opened is None:
             return None
@@ -671,10 +672,8 @@ def _vectorize_row_inner(sch, blk, lanes):
 
 
 def _binds_reduction(sch, blk, loop) -> bool:
-    from .fallback import _get_sblockrealize
-
     var = sch.get(loop).loop_var
-    realize = _get_sblockrealize(sch, blk)
+    realize = get_sblock_realize(sch, blk)
     for it, val in zip(sch.get(blk).iter_vars, realize.iter_values):
         if it.iter_type != tirx.IterVar.DataPar and any(
             v.same_as(var) for v in tirx.analysis.undefined_vars(val)
@@ -684,9 +683,7 @@ def _binds_reduction(sch, blk, loop) -> bool:
 
 
 def _parallel_rows(sch, blk, target):
-    from .fallback import _schedule_nest
-
-    try_primitive(_schedule_nest, sch, blk, target)
+    try_primitive(schedule_nest, sch, blk, target)
 
 
 def _make_pack_map(outer_order, blocked_dims, row, vec, ndim):

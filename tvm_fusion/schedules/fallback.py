@@ -15,14 +15,14 @@ from tvm.target import Target
 
 from ._util import int_extent, is_cpu, num_cores, schedule_injective_block, try_primitive
 
-_get_sblockrealize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
+get_sblock_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
 
 class ParallelFallback(ScheduleRule):
     def is_target_available(self, target: Target) -> bool:
         return is_cpu(target)
 
-    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):  # noqa: ARG002
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
         sch = s_tir.Schedule(func)
@@ -32,13 +32,13 @@ class ParallelFallback(ScheduleRule):
             return sch  # no root block (opaque / already lowered): leave the body as it is
         for blk in blocks:
             try:
-                _schedule_nest(sch, blk, target)
+                schedule_nest(sch, blk, target)
             except Exception:  # pylint: disable=broad-except
                 continue
         return sch
 
 
-def _schedule_nest(sch, blk, target):
+def schedule_nest(sch, blk, target):
     stmt = sch.get(blk)
     loops = sch.get_loops(blk)
     if not loops:
@@ -64,7 +64,7 @@ def _schedule_nest(sch, blk, target):
 
 def spatial_loop_prefix(sch, blk) -> list:
     """Outermost loops of blk's nest that bind only data-parallel iters (and only this block)."""
-    realize = _get_sblockrealize(sch, blk)
+    realize = get_sblock_realize(sch, blk)
     stmt = sch.get(blk)
     loops = sch.get_loops(blk)
     out = []

@@ -18,7 +18,7 @@ class Injective(CpuRule):
     """All blocks spatial: inline, then parallel outer loops + vectorized inner loop."""
 
     @safe_rule
-    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):  # noqa: ARG002
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         opened = self.normalized(func, target)
         if opened is None:
             return None

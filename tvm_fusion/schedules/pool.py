@@ -22,7 +22,7 @@ MAX_WINDOW = 64  # reduction steps per output: pooling windows, not global pools
 
 class WindowReduction(CpuRule):
     @safe_rule
-    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):  # noqa: ARG002
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         opened = self.normalized(func, target)
         if opened is None:
             return None

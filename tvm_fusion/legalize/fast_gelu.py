@@ -12,8 +12,9 @@ and ``nn.gelu_tanh`` keep the stock legalization.
 
 Switch: :func:`set_fast_gelu` (process-wide), the :func:`fast_gelu` context manager, or the
 environment variable ``TVM_FUSION_FAST_GELU=0`` read at import. The override is a wrapper around
-the stock ``FLegalize`` registered at a higher level, consulted when ``LegalizeOps`` runs, so it
-also applies to plain ``tvm.compile`` of a module with ``R.nn.gelu`` in this process.
+the stock ``FLegalize`` registered at a higher level (``tvm_fusion.legalize.register``, which the
+pipeline calls), consulted when ``LegalizeOps`` runs, so once registered it also applies to plain
+``tvm.compile`` of a module with ``R.nn.gelu`` in this process.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ import os
 
 import tvm
 from tvm import relax, tirx, topi
-
-from ..legalize import override_legalization
 
 _enabled = os.environ.get("TVM_FUSION_FAST_GELU", "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -66,10 +65,16 @@ def legalize_gelu_fast(bb: relax.BlockBuilder, call: relax.Call):
     return bb.call_te(gelu_fast_te, call.args[0], primfunc_name_hint="gelu")
 
 
-def _try_fast(bb: relax.BlockBuilder, call: relax.Call):
+def legalize_gelu_if_enabled(bb: relax.BlockBuilder, call: relax.Call):
+    """What ``register`` installs: the fast legalization while it is switched on."""
     return legalize_gelu_fast(bb, call) if _enabled else None
 
 
-override_legalization("relax.nn.gelu", _try_fast)
-
-__all__ = ["fast_gelu", "fast_gelu_enabled", "gelu_fast_te", "legalize_gelu_fast", "set_fast_gelu"]
+__all__ = [
+    "fast_gelu",
+    "fast_gelu_enabled",
+    "gelu_fast_te",
+    "legalize_gelu_fast",
+    "legalize_gelu_if_enabled",
+    "set_fast_gelu",
+]

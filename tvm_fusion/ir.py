@@ -1,0 +1,55 @@
+"""Small Relax IR helpers shared by the passes (one definition each, one meaning each)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import tvm
+from tvm import relax
+from tvm.ir import Op
+
+
+def op_name(expr) -> str | None:
+    """``"relax.nn.conv2d"`` for a call of a Relax operator, None for anything else."""
+    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, Op) else None
+
+
+def tensor_type(expr) -> relax.TensorType | None:
+    ty = getattr(expr, "ty", None)
+    return ty if isinstance(ty, relax.TensorType) else None
+
+
+def shape_dims(expr) -> tuple[int | None, ...] | None:
+    """The shape with symbolic dims as None; None when even the rank is unknown."""
+    ty = tensor_type(expr)
+    if ty is None or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    return tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in ty.shape.values)
+
+
+def static_shape(expr) -> tuple[int, ...] | None:
+    """The shape when every dim is a known integer, else None."""
+    dims = shape_dims(expr)
+    return None if dims is None or any(d is None for d in dims) else dims
+
+
+def dtype_of(expr) -> str | None:
+    ty = tensor_type(expr)
+    return None if ty is None else str(ty.dtype)
+
+
+def is_primitive(func) -> bool:
+    """A function that is one kernel already (``Primitive``) or belongs to an external codegen:
+    graph passes leave it alone."""
+    attrs = getattr(func, "attrs", None)
+    if attrs is None:
+        return False
+    return ("Primitive" in attrs.keys() and int(attrs["Primitive"]) != 0) or "Codegen" in attrs.keys()
+
+
+def graph_functions(mod: tvm.IRModule) -> Iterator[tuple[relax.GlobalVar, relax.Function]]:
+    """The Relax functions a graph pass rewrites: every one that is not primitive, by name order."""
+    for gvar in sorted(mod.functions.keys(), key=lambda g: g.name_hint):
+        func = mod[gvar]
+        if isinstance(func, relax.Function) and not is_primitive(func):
+            yield gvar, func

@@ -1,0 +1,53 @@
+"""Our legalizations, in one place: each goes in front of TVM's own and defers to it otherwise.
+
+* ``nchwc_conv``: conv2d in the blocked ``NCHW{c}`` layouts ``RewriteLayout`` writes (TVM 0.27
+  leaves them unlowered).
+* ``fast_gelu``: float32 GELU with the vectorizable ``topi.fast_erf`` (switchable).
+
+:func:`register` installs them (the pipeline and ``RewriteLayout`` call it; call it yourself before
+``LegalizeOps`` / ``tvm.compile`` of a module that did not go through them).
+
+``LegalizeOps`` (and so ``tvm.compile``) looks up an op's ``FLegalize`` attribute. We register a
+wrapper at a higher level that tries our lowering first and calls the stock one when ours returns
+None, so modules that never use the new forms lower exactly as before. Registering twice is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm.ir import Op
+
+from . import fast_gelu, nchwc_conv
+
+LEVEL = 21  # above TVM's own registrations (level 10)
+
+_stock: dict[str, Callable] = {}  # op name -> TVM's own legalization, for every op we took over
+
+
+def override_legalization(op_name: str, try_legalize: Callable) -> Callable:
+    """Make ``try_legalize(bb, call)`` the first lowering of ``op_name``; returning None defers to
+    TVM's. Once per op and process (later calls are no-ops). Returns TVM's own legalization."""
+    if op_name in _stock:
+        return _stock[op_name]
+    stock = Op.get(op_name).get_attr("FLegalize")
+
+    def legalize(bb, call):
+        result = try_legalize(bb, call)
+        return stock(bb, call) if result is None else result
+
+    tvm.ir.register_op_attr(op_name, "FLegalize", legalize, level=LEVEL)
+    _stock[op_name] = stock
+    return stock
+
+
+def register() -> None:
+    """Install every legalization of this package (idempotent)."""
+    override_legalization("relax.nn.conv2d", nchwc_conv.legalize_conv2d_nchwc)
+    override_legalization("relax.nn.gelu", fast_gelu.legalize_gelu_if_enabled)
+
+
+def stock_legalization(op_name: str) -> Callable:
+    """TVM's own legalization of ``op_name``, whether or not ours is installed in front of it."""
+    return _stock.get(op_name) or Op.get(op_name).get_attr("FLegalize")

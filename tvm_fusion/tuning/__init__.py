@@ -1,0 +1,78 @@
+"""Meta-Schedule tuning of fused kernels, with records that are stored safely and reused by the build.
+
+One job per module, as in Meta-Schedule itself:
+
+* ``environment`` — what tuning needs from this Python environment; a slow TVM import made fast.
+* ``records`` — the record store ``<root>/<model>/<target-key>/`` (Meta-Schedule JSON database +
+  manifest): atomic writes, one writer at a time, checks before reuse, ``load_records`` for the build.
+* ``tasks`` — one task per fused kernel, budgets, our rule's runner-up plans as candidates.
+* ``workers`` — the persistent local builder, local/RPC runners, side-by-side timing.
+* ``search`` — the search for one task, saved batch by batch; Ctrl-C and SIGTERM handling.
+* ``verify`` — each task's best record timed next to its default schedule.
+* ``driver`` — ``tune`` (a fused module) and ``tune_model`` (an ONNX model, example or IRModule).
+
+The build applies records with ``relax.transform.MetaScheduleApplyDatabase`` in its own pipeline
+(``pipeline.pipeline_stages(..., database=...)``); there is no second build path here.
+See ``tuning_logs/README.md`` for the files.
+"""
+
+from .driver import TuneResult, open_for_tuning, plan_tasks, tune, tune_model
+from .environment import check_environment, load_tensor_intrinsics
+from .records import (
+    MANIFEST_FILE,
+    MANIFEST_FORMAT,
+    MIN_GAIN,
+    RECORD_FILE,
+    WORKLOAD_FILE,
+    RecordLock,
+    RecordReport,
+    RecordSet,
+    beats_default,
+    check_compatible,
+    load_records,
+    new_manifest,
+    read_record_set,
+    record_dir,
+    safe_folder_name,
+    slower_than_default,
+    workload_key,
+)
+from .search import TaskSummary
+from .tasks import RULE_CANDIDATES, default_schedule_modules, extract_tasks, rule_candidates, split_budget
+from .workers import check_can_tune, parse_rpc, tuning_target
+
+__all__ = [
+    "MANIFEST_FILE",
+    "MANIFEST_FORMAT",
+    "MIN_GAIN",
+    "RECORD_FILE",
+    "RULE_CANDIDATES",
+    "WORKLOAD_FILE",
+    "RecordLock",
+    "RecordReport",
+    "RecordSet",
+    "TaskSummary",
+    "TuneResult",
+    "beats_default",
+    "check_can_tune",
+    "check_compatible",
+    "check_environment",
+    "default_schedule_modules",
+    "extract_tasks",
+    "load_records",
+    "load_tensor_intrinsics",
+    "new_manifest",
+    "open_for_tuning",
+    "parse_rpc",
+    "plan_tasks",
+    "read_record_set",
+    "record_dir",
+    "rule_candidates",
+    "safe_folder_name",
+    "slower_than_default",
+    "split_budget",
+    "tune",
+    "tune_model",
+    "tuning_target",
+    "workload_key",
+]

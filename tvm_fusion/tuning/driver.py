@@ -1,0 +1,304 @@
+"""Tuning a whole model: plan the tasks and their budgets, search each, check against defaults.
+
+``tune_model`` is the entry point the CLI and scripts use: it fuses the model with the build's own
+passes (``pipeline.unscheduled_module``), so the records' workloads are the very PrimFuncs the
+build looks up, and hands the module to :func:`tune`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import tvm
+from tvm.s_tir import meta_schedule as ms
+
+from ..errors import TuningRecordError, TvmFusionError
+from ..frontend import as_imported
+from ..pipeline import unscheduled_module
+from ..shape_cache import symbolic_dims
+from ..targets import parse_target
+from .environment import check_environment, load_tensor_intrinsics
+from .records import (
+    RecordLock,
+    RecordSet,
+    check_compatible,
+    has_records,
+    new_manifest,
+    read_record_set,
+    record_dir,
+    slower_than_default,
+    workload_key,
+)
+from .search import SearchSettings, StopRequests, TaskSearch, TaskSummary, progress_bar
+from .tasks import extract_tasks, split_budget
+from .verify import verify_against_default
+from .workers import PersistentLocalBuilder, check_can_tune, make_runner, tuning_target
+
+
+@dataclasses.dataclass
+class TuneResult:
+    record_dir: Path
+    tasks: list[TaskSummary]
+    elapsed_s: float
+    database: Any = None  # ms MemoryDatabase with the records the build will apply
+    messages: list[str] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    @property
+    def new_trials(self) -> int:
+        return sum(t.new_trials for t in self.tasks)
+
+    @property
+    def total_trials(self) -> int:
+        return sum(t.trials for t in self.tasks)
+
+    def summary(self) -> str:
+        """One line per task plus a total (the resume/move-aside ``messages`` are not repeated)."""
+        lines = []
+        for t in self.tasks:
+            best = f"{t.best_us:.2f} us" if t.best_us is not None else "n/a"
+            state = "skipped (at budget)" if t.skipped else f"+{t.new_trials}"
+            line = f"  {t.name}: {t.trials}/{t.budget} trials ({state}), best {best}"
+            if t.default_us is not None:
+                tuned = "n/a" if t.tuned_us is None else f"{t.tuned_us:.2f} us"
+                verdict = "tuned schedule used" if t.applied else "default schedule kept"
+                line += f"; side by side: tuned {tuned} vs default {t.default_us:.2f} us -> {verdict}"
+            lines.append(line)
+        used = sum(1 for t in self.tasks if t.applied)
+        lines.append(
+            f"{self.new_trials} new trials ({self.total_trials} in all) in {self.elapsed_s:.1f} s; "
+            f"{used}/{len(self.tasks)} functions will use tuned schedules; records in {self.record_dir}"
+        )
+        return "\n".join(lines)
+
+
+def open_for_tuning(path: Path, model_name: str, model_hash: str, target, messages: list[str]) -> RecordSet:
+    """The existing compatible record set, or a new one (moving an incompatible one aside)."""
+    if has_records(path):
+        try:
+            rset = read_record_set(path)
+            problems = check_compatible(rset.manifest, model_hash, target)
+        except TuningRecordError as err:
+            problems = [str(err)]
+        if not problems:
+            messages.append(f"{path}: resuming from {len(rset.records)} existing trials")
+            return rset
+        aside = path.with_name(f"{path.name}.old-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
+        os.replace(path, aside)
+        messages.append(f"{path}: {'; '.join(problems)}: moved to {aside.name}, tuning from scratch")
+    return RecordSet(path=path, manifest=new_manifest(model_name, model_hash, target))
+
+
+def plan_tasks(rset: RecordSet, tasks: list, budgets: list[int]) -> list[TaskSummary]:
+    """A summary per task (what is on disk, what is left to do), its workload and manifest entry
+    registered in ``rset``."""
+    index = rset.workload_index()
+    done = rset.trials_by_workload()
+    best = rset.best_by_workload()
+    summaries = []
+    for task, budget in zip(tasks, budgets):
+        wl_mod = task.dispatched[0]
+        key = workload_key(wl_mod)
+        if key not in index:
+            index[key] = len(rset.workloads)
+            rset.workloads.append(ms.database.Workload(wl_mod))
+        entry = rset.manifest["tasks"].get(key, {})
+        trials = done.get(key, 0)
+        # A task tuned to its budget earlier may have measured fewer (its search space ran out).
+        at_budget = trials >= budget or int(entry.get("budget", 0)) >= budget
+        best_us = best[key] * 1e6 if key in best else None
+        summaries.append(TaskSummary(task.task_name, key, budget, trials, trials, best_us, at_budget))
+        rset.manifest["tasks"][key] = {
+            **entry,  # keeps default_us / tuned_us / verified_trials of an earlier run
+            "name": task.task_name,
+            "weight": int(task.weight),
+            "budget": int(entry.get("budget", 0)),
+            "trials": trials,
+            "best_us": None if best_us is None else round(best_us, 4),
+        }
+    return summaries
+
+
+def tune(
+    mod: tvm.IRModule,
+    target,
+    *,
+    model_name: str,
+    model_hash: str,
+    trials: int,
+    log_root: str | os.PathLike = "tuning_logs",
+    max_trials_per_task: int | None = None,
+    rpc: str | None = None,
+    progress: bool = True,
+    num_trials_per_iter: int = 16,
+    max_workers: int = 1,
+    timeout_s: float = 60.0,
+    seed: int = 0,
+    min_repeat_ms: int = 50,
+    population_size: int | None = None,
+    check_default: bool = True,
+    verify_rounds: int = 5,
+    verify_again: bool = False,
+    on_task_done: Callable[[TaskSummary], None] | None = None,
+    on_batch: Callable[[TaskSummary], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TuneResult:
+    """Tune every fused PrimFunc of ``mod`` for ``target`` and store the records.
+
+    ``mod`` must be the module the build schedules (``pipeline.unscheduled_module``). ``trials``
+    is the total budget, split evenly over the tasks (capped by ``max_trials_per_task``). Tasks
+    already at their budget in ``<log_root>/<model_name>/<target-key>`` are skipped; others continue
+    from the trials on disk. Records for another model/target/TVM found there are moved aside to
+    ``<target-key>.old-<date>`` (reported, never mixed in). A second run into the same folder while
+    this one holds it stops at once with a message (:class:`records.RecordLock`).
+
+    Search, per task (:class:`search.TaskSearch`): first (CPU) the Contraction rule's runner-up
+    plans, then Meta-Schedule's evolutionary search with the XGBoost cost model for the rest,
+    ``num_trials_per_iter`` candidates measured per batch; ``population_size`` defaults to 16 x that
+    (64..512; Meta-Schedule's default is 512).
+
+    With ``check_default`` (default), each tuned task's best schedule is then timed side by side
+    with the task's default schedule (``verify_rounds`` rounds); the manifest keeps both, and the
+    build applies only the tuned schedules that won. ``verify_again`` re-times every task.
+
+    ``on_task_done`` / ``on_batch`` are called after each task / measured batch, once its records
+    are on disk (tests use them to simulate Ctrl-C).
+    """
+    start = time.time()
+    target = parse_target(target)
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    if int(trials) < 0:
+        raise TvmFusionError(f"trials must be 0 or more, got {trials}")
+    check_can_tune(target, rpc)
+    check_environment()
+    path = record_dir(log_root, model_name, target)
+    search_target = tuning_target(target)
+    messages: list[str] = []
+    with _writable(path), RecordLock(path), StopRequests(say) as stop:
+        rset = open_for_tuning(path, model_name, model_hash, target, messages)
+        for msg in messages:
+            say(msg)
+        tasks = extract_tasks(mod, target)
+        summaries = plan_tasks(rset, tasks, split_budget(trials, len(tasks), max_trials_per_task))
+        with stop.saving():
+            rset.save()  # manifest first: any later state on disk says what it is for
+        remaining = sum(max(s.budget - s.trials, 0) for s in summaries if not s.skipped)
+        settings = SearchSettings(
+            num_trials_per_iter=num_trials_per_iter,
+            population_size=population_size or min(512, max(64, 16 * num_trials_per_iter)),
+            num_threads=max(1, min(os.cpu_count() or 1, 4)),
+            seed=seed,
+        )
+        evaluator = ms.runner.EvaluatorConfig(
+            number=3, repeat=1, min_repeat_ms=min_repeat_ms, enable_cpu_cache_flush=False
+        )
+        builder = runner = None
+        if remaining > 0 or (check_default and any(s.best_us is not None for s in summaries)):
+            builder = PersistentLocalBuilder(max_workers, timeout_s)
+            runner = make_runner(rpc, evaluator, timeout_s, max_workers)
+        bar = progress_bar(remaining, progress and remaining > 0)
+        search = TaskSearch(rset, search_target, builder, runner, settings, bar, stop, on_batch)
+        try:
+            for i, (task, summary) in enumerate(zip(tasks, summaries)):
+                if summary.done:
+                    continue
+                stop.check()
+                load_tensor_intrinsics()  # TuneContext imports them; only when there is work
+                search.run(task, summary, f"{i + 1}/{len(tasks)}")
+                if on_task_done is not None:
+                    on_task_done(summary)
+            bar.close()
+            if check_default:
+                tuned = [(t, s) for t, s in zip(tasks, summaries) if s.best_us is not None]
+                if tuned:
+                    load_tensor_intrinsics()
+                    with stop.saving():
+                        verify_against_default(
+                            rset,
+                            [t for t, _ in tuned],
+                            [s for _, s in tuned],
+                            search_target,
+                            builder,
+                            runner,
+                            rounds=verify_rounds,
+                            again=verify_again,
+                            say=say if progress else None,
+                        )
+        except KeyboardInterrupt:
+            say(
+                f"interrupted: {sum(s.trials for s in summaries)} trials are saved in {path}; run again to resume"
+            )
+            raise
+        finally:
+            bar.close()
+    skipped, _ = slower_than_default(rset)
+    database = rset.to_database(exclude=skipped)
+    return TuneResult(path, summaries, time.time() - start, database=database, messages=messages)
+
+
+class _writable:
+    """Turn the OS errors of an unusable records folder (a file in the way, read-only, full disk)
+    into one line naming the folder."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        for parent in [self.path, *self.path.parents]:
+            if parent.exists() and not parent.is_dir():
+                raise TuningRecordError(f"{parent}: is a file, cannot hold tuning records")
+        return self
+
+    def __exit__(self, kind, err, _tb):
+        if isinstance(err, OSError) and not isinstance(err, TuningRecordError):
+            where = err.filename or self.path
+            raise TuningRecordError(
+                f"{where}: cannot write tuning records ({err.strerror or err}); pass a writable --tuning-logs folder"
+            ) from None
+        return False
+
+
+def tune_model(
+    source,
+    target="llvm",
+    *,
+    trials: int,
+    policy=None,
+    options: dict | None = None,
+    log_root: str | os.PathLike = "tuning_logs",
+    name: str | None = None,
+    **tune_kwargs,
+) -> TuneResult:
+    """Import (if needed), fuse with the build's own passes and tune a model; ``str(result)`` is
+    a per-kernel summary. ``policy``/``options`` must be what the build will get (they shape the
+    fused kernels). Other keywords go to :func:`tune` (``rpc``, ``max_trials_per_task``,
+    ``num_trials_per_iter``, ``progress``, ...). ``tvm_fusion.benchmark.measure_speedup`` then
+    times the tuned build against the untuned one."""
+    target = parse_target(target)
+    imported = as_imported(source, name)
+    dims = symbolic_dims(imported.mod)
+    if dims:
+        raise TuningRecordError(
+            f"{imported.name}: inputs have symbolic dims ({', '.join(dims)}); tuning needs "
+            "static shapes: export the model with fixed shapes, or fix them with "
+            "onnx.tools.update_model_dims before tuning"
+        )
+    mod = unscheduled_module(imported.mod, target, policy, name=imported.name, **(options or {}))
+    return tune(
+        mod,
+        target,
+        model_name=imported.name,
+        model_hash=imported.model_hash,
+        trials=trials,
+        log_root=log_root,
+        **tune_kwargs,
+    )

@@ -1,0 +1,295 @@
+"""The search for one task: our rule's runner-up plans first, then Meta-Schedule's evolutionary
+search with the XGBoost cost model, every measured batch saved to disk before the next one.
+
+Stopping: the first Ctrl-C stops after the batch being measured (it is saved); a second Ctrl-C or
+SIGTERM stops at once, with the batches finished so far on disk. Signal handlers never raise:
+an exception thrown while C++ (the task scheduler, the cost model) is on the stack ends in
+``std::terminate``, so the handler only sets a flag, the measure callback turns it into a
+``KeyboardInterrupt`` between batches, and a hard stop waits for a save in progress and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from tqdm.auto import tqdm
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+
+from .records import RecordSet, beats_default, is_search_record, mean_secs, workload_key
+from .tasks import rule_candidates, rule_plan_share
+from .workers import measure_modules
+
+INTERRUPTED_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+@dataclasses.dataclass
+class TaskSummary:
+    name: str
+    workload_key: str
+    budget: int
+    trials_before: int
+    trials: int  # measured trials on disk for this task, all runs together
+    best_us: float | None
+    skipped: bool = False  # already at budget when this run started
+    default_us: float | None = None  # default schedule, timed side by side with tuned_us
+    tuned_us: float | None = None  # best record re-timed next to the default
+
+    @property
+    def new_trials(self) -> int:
+        return self.trials - self.trials_before
+
+    @property
+    def done(self) -> bool:
+        return self.skipped or self.trials >= self.budget
+
+    @property
+    def applied(self) -> bool | None:
+        """Whether the build will use the tuned schedule (None: not compared with the default)."""
+        if self.default_us is None:
+            return None if self.best_us is not None else False
+        return beats_default(self.tuned_us if self.tuned_us is not None else self.best_us, self.default_us)
+
+
+class StopRequests:
+    """Ctrl-C and SIGTERM during tuning (see module docstring); a no-op outside the main thread."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say = say
+        self.count = 0
+        self._saving = 0
+        self._exit_code: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    def check(self) -> None:
+        """Raise ``KeyboardInterrupt`` if a stop was asked for (call between batches)."""
+        if self.count:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def saving(self):
+        """A hard stop that arrives while files are written waits until they are."""
+        self._saving += 1
+        try:
+            yield
+        finally:
+            self._saving -= 1
+            if not self._saving and self._exit_code is not None:
+                self._exit_now(self._exit_code)
+
+    def _exit_now(self, code: int) -> None:
+        self.say("stopped: the trials of every finished batch are saved; run again to resume")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.count += 1
+        if signum == signal.SIGINT and self.count == 1:
+            self.say("\nstopping after the current batch (Ctrl-C again to stop now)")
+            return
+        code = INTERRUPTED_EXIT.get(signum, 130)
+        if self._saving:
+            self._exit_code = code
+        else:
+            self._exit_now(code)
+
+    def __enter__(self) -> StopRequests:
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in INTERRUPTED_EXIT:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def progress_bar(total: int, enabled: bool):
+    return tqdm(total=total, unit="trial", desc="tuning", disable=not enabled, dynamic_ncols=True)
+
+
+@dataclasses.dataclass
+class SearchSettings:
+    num_trials_per_iter: int = 16
+    population_size: int = 256
+    num_threads: int = 1
+    seed: int = 0
+
+
+class TaskSearch:
+    """Tunes tasks one at a time into ``rset``, saving after every measured batch."""
+
+    def __init__(
+        self,
+        rset: RecordSet,
+        target,
+        builder,
+        runner,
+        settings: SearchSettings,
+        bar,
+        stop: StopRequests,
+        on_batch: Callable | None = None,
+    ):
+        self.rset = rset
+        self.target = target
+        self.builder = builder
+        self.runner = runner
+        self.settings = settings
+        self.bar = bar
+        self.stop = stop
+        self.on_batch = on_batch
+        self.pending: BaseException | None = None  # raised in a callback, on its way through C++
+
+    def run(self, task, summary: TaskSummary, position: str) -> None:
+        """Rule plans, then the search, until the task's budget is measured; saves as it goes."""
+        database = ms.database.MemoryDatabase()
+        self._seed(database, summary.workload_key)
+        try:
+            self._measure_rule_plans(task, summary, database)
+            todo = summary.budget - summary.trials
+            if todo > 0:
+                self._search(task, summary, database, todo, position)
+        finally:
+            self.checkpoint(summary, database)
+        self.rset.manifest["tasks"][summary.workload_key]["budget"] = summary.budget
+        self.save()
+
+    def save(self) -> None:
+        with self.stop.saving():
+            self.rset.save()
+
+    def checkpoint(self, summary: TaskSummary, database, rule_records=()) -> None:
+        """Put the task's records (earlier ones, new rule plans, the search database's) into the
+        record set and save it atomically."""
+        key = summary.workload_key
+        earlier_rules = [r for r in self.rset.records_of(key) if not is_search_record(r)]
+        searched = [r for r in database.get_all_tuning_records() if workload_key(r.workload.mod) == key]
+        records = earlier_rules + list(rule_records) + searched
+        if not records:
+            return
+        self.rset.records = [r for r in self.rset.records if workload_key(r.workload.mod) != key] + records
+        summary.trials = len(records)
+        times = [s for s in map(mean_secs, records) if s is not None]
+        summary.best_us = min(times) * 1e6 if times else None
+        self.rset.manifest["tasks"][key].update(
+            trials=summary.trials, best_us=None if summary.best_us is None else round(summary.best_us, 4)
+        )
+        self.save()
+
+    def _batch_done(self, summary: TaskSummary, count: int, position: str = "") -> None:
+        self.bar.update(count)
+        if position:
+            best = f"{summary.best_us:.2f}us" if summary.best_us is not None else "n/a"
+            self.bar.set_postfix_str(f"task {position} {summary.name} best {best}", refresh=True)
+        if self.on_batch is not None:
+            self.on_batch(summary)
+        self.stop.check()
+
+    def _seed(self, database, key: str) -> None:
+        """Give the search the trials it already measured for this task (it starts from the best)."""
+        records = [r for r in self.rset.records_of(key) if is_search_record(r)]
+        if records:
+            wl = database.commit_workload(records[0].workload.mod)
+            for r in records:
+                database.commit_tuning_record(
+                    ms.database.TuningRecord(r.trace, wl, r.run_secs, r.target, r.args_info)
+                )
+
+    def _measure_rule_plans(self, task, summary: TaskSummary, database) -> None:
+        """Measure the task's Contraction runner-up plans (``tasks.rule_candidates``) in batches and
+        save them as tuning records; ``plans_measured`` in the manifest makes a resumed run go on
+        where this one stopped. They stay out of the search's database: the search replays its
+        seeds through Meta-Schedule's postprocessors, which abort on a schedule that already packs
+        its weights."""
+        entry = self.rset.manifest["tasks"][summary.workload_key]
+        done = int(entry.get("plans_measured", 0))
+        task_mod = task.dispatched[0]
+        schedules = rule_candidates(
+            task_mod, self.target, first=done + 1, count=rule_plan_share(summary.budget) - done
+        )
+        workload = ms.database.Workload(task_mod)
+        size = max(self.settings.num_trials_per_iter, 1)
+        for start in range(0, len(schedules), size):
+            batch = schedules[start : start + size]
+            times = measure_modules(
+                self.builder, self.runner, self.target, list(enumerate(s.mod for s in batch)), 1
+            )
+            records = [
+                ms.database.TuningRecord(
+                    sch.trace,
+                    workload,
+                    [times[i]],
+                    self.target,
+                    ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True),
+                )
+                for i, sch in enumerate(batch)
+                if times.get(i) is not None
+            ]
+            entry["plans_measured"] = done = done + len(batch)
+            self.checkpoint(summary, database, records)
+            self._batch_done(summary, len(batch))
+
+    def _search(self, task, summary: TaskSummary, database, todo: int, position: str) -> None:
+        settings = self.settings
+        context = ms.TuneContext(
+            mod=task.dispatched[0],
+            target=self.target,
+            space_generator="post-order-apply",
+            search_strategy=ms.search_strategy.EvolutionarySearch(population_size=settings.population_size),
+            task_name=task.task_name,
+            num_threads=settings.num_threads,
+            rand_state=settings.seed + summary.trials,
+        ).clone()
+        callback = _AfterBatch(self, summary, database, position)
+        self.pending = None
+        try:
+            ms.tune.tune_tasks(
+                tasks=[context],
+                task_weights=[1.0],
+                work_dir=str(self.rset.path),
+                max_trials_global=todo,
+                max_trials_per_task=todo,
+                num_trials_per_iter=min(settings.num_trials_per_iter, todo),
+                builder=self.builder,
+                runner=self.runner,
+                database=database,
+                cost_model=ms.cost_model.XGBModel(
+                    num_tuning_cores=settings.num_threads, adaptive_training=True
+                ),
+                measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [callback],
+                task_scheduler="round-robin",
+            )
+        except BaseException as err:
+            # an exception raised in our callback reaches Python again as a bare RuntimeError
+            pending, self.pending = self.pending, None
+            raise pending or err from None
+
+
+@derived_object
+class _AfterBatch(ms.measure_callback.PyMeasureCallback):
+    """Runs after AddToDatabase: saves the batch, moves the progress bar, and is where a pending
+    stop request ends the search (the exception is parked in ``search.pending`` and re-raised by
+    :meth:`TaskSearch._search`, since it crosses C++ on its way out)."""
+
+    def __init__(self, search: TaskSearch, summary: TaskSummary, database, position: str):
+        super().__init__()
+        self.search, self.summary, self.database, self.position = search, summary, database, position
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+        try:
+            self.search.checkpoint(self.summary, self.database)
+            self.search._batch_done(self.summary, len(runner_results), self.position)
+        except BaseException as err:
+            self.search.pending = err
+            raise

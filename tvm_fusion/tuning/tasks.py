@@ -1,0 +1,77 @@
+"""What there is to tune: one task per fused kernel, its trial budget, and its cheapest candidates.
+
+Tasks are extracted from the module the build schedules (``pipeline.unscheduled_module``: our
+passes, then constant weights marked layout-free), so a record's workload is exactly the PrimFunc
+the build later looks up, and tuned schedules may pre-pack weights as the default ones do.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm.s_tir import dlight as dl
+from tvm.s_tir import meta_schedule as ms
+
+from ..schedules import Contraction, default_rules
+from ..targets import is_gpu
+from .records import workload_key
+
+# Before the Meta-Schedule search, each task measures up to this many runner-up plans of our
+# Contraction rule (its cost model is a guess; the next-best register tiles are the cheapest
+# candidates there are), taking at most half of the task's trial budget.
+RULE_CANDIDATES = 7
+
+
+def extract_tasks(mod: tvm.IRModule, target: tvm.target.Target) -> list:
+    """Meta-Schedule tasks of a fused module: one per distinct PrimFunc not scheduled yet."""
+    tasks = ms.relax_integration.extract_tasks(mod, target)
+    return [t for t in tasks if not t.mod.attrs or not t.mod.attrs.get("tirx.is_scheduled", False)]
+
+
+def split_budget(trials: int, num_tasks: int, max_trials_per_task: int | None) -> list[int]:
+    """Equal shares of the total (first tasks get the remainder), capped per task."""
+    if num_tasks == 0:
+        return []
+    base, extra = divmod(max(int(trials), 0), num_tasks)
+    shares = [base + (1 if i < extra else 0) for i in range(num_tasks)]
+    if max_trials_per_task is not None:
+        shares = [min(s, int(max_trials_per_task)) for s in shares]
+    return shares
+
+
+def rule_plan_share(budget: int) -> int:
+    """How many of a task's trials go to the rule's runner-up plans."""
+    return min(RULE_CANDIDATES, max(int(budget), 0) // 2)
+
+
+def rule_candidates(
+    task_mod: tvm.IRModule, target: tvm.target.Target, first: int = 1, count: int = RULE_CANDIDATES
+) -> list:
+    """Schedules of a task by the Contraction rule's ``first``-th .. plans (rank 0 is the default
+    schedule): up to ``count`` ``s_tir.Schedule``s, whose traces replay as tuning records. Empty
+    for kernels the rule does not schedule (and on GPU)."""
+    if is_gpu(target):
+        return []
+    out = []
+    for rank in range(first, first + count):
+        sch = Contraction(plan_rank=rank).apply(task_mod["main"], target, False)
+        if sch is None:
+            break
+        out.append(sch)
+    return out
+
+
+def default_schedule_modules(tasks: list, target: tvm.target.Target) -> dict[str, tvm.IRModule]:
+    """Per task (workload key): its PrimFunc under the default schedule, as the build runs it.
+
+    Task functions carry the build's layout-free marks, so the Contraction rule packs constant
+    weights in a block annotated as layout-rewrite preproc, and the builder drops that block
+    (``RemoveWeightLayoutRewriteBlock``, as it does for tuned candidates): the timed kernel reads
+    pre-packed weights like the built one does.
+    """
+    rule = dl.ApplyDefaultSchedule(*default_rules(target))
+    out = {}
+    for task in tasks:
+        wl_mod = task.dispatched[0]
+        with target:
+            out[workload_key(wl_mod)] = rule(tvm.IRModule({"main": wl_mod["main"]}))
+    return out

@@ -1,0 +1,68 @@
+"""The tuned build must never be slower than the untuned one: time each task's best record next to
+its default schedule (the one the build would otherwise run, weights pre-packed) and keep both
+numbers in the manifest, so :func:`records.slower_than_default` can leave out the losers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+
+from .records import RecordSet
+from .tasks import default_schedule_modules
+from .workers import measure_modules
+
+
+def verify_against_default(
+    rset: RecordSet,
+    tasks: list,
+    summaries: list,
+    target: tvm.target.Target,
+    builder,
+    runner,
+    *,
+    rounds: int = 5,
+    again: bool = False,
+    say: Callable[[str], None] | None = None,
+) -> None:
+    """Time each task's default schedule and its best tuned record side by side; store
+    ``default_us``, ``tuned_us`` and ``verified_trials`` in the manifest. ``tasks`` and
+    ``summaries`` are parallel lists. Tasks checked already with the trials now on disk are
+    skipped unless ``again``."""
+    todo = []
+    for task, summary in zip(tasks, summaries):
+        entry = rset.manifest["tasks"][summary.workload_key]
+        if (
+            not again
+            and entry.get("verified_trials") == summary.trials
+            and entry.get("default_us") is not None
+        ):
+            summary.default_us, summary.tuned_us = entry["default_us"], entry.get("tuned_us")
+        else:
+            todo.append((task, summary))
+    if not todo:
+        return
+    defaults = default_schedule_modules([task for task, _ in todo], target)
+    items = []
+    for _, summary in todo:
+        key = summary.workload_key
+        items.append((("default", key), defaults[key]))
+        best = rset.best_record(key)
+        if best is not None:
+            items.append((("tuned", key), best.as_measure_candidate().sch.mod))
+    if say is not None:
+        say(f"timing {len(todo)} default schedules against the best tuned ones ({rounds} rounds)")
+    times = measure_modules(builder, runner, target, items, rounds)
+    for _, summary in todo:
+        key = summary.workload_key
+        default, tuned = times.get(("default", key)), times.get(("tuned", key))
+        summary.default_us = None if default is None else round(default * 1e6, 4)
+        summary.tuned_us = None if tuned is None else round(tuned * 1e6, 4)
+        if summary.default_us is None:
+            if say is not None:
+                say(f"  {summary.name}: could not time the default schedule; records applied unchecked")
+            continue
+        rset.manifest["tasks"][key].update(
+            default_us=summary.default_us, tuned_us=summary.tuned_us, verified_trials=summary.trials
+        )
+    rset.save()
