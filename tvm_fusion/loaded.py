@@ -1,10 +1,12 @@
 """Running an exported module: ``load(path)`` checks the library and its sidecar, and the model it
 returns can be called from any number of threads.
 
-One ``relax.VirtualMachine`` is not thread-safe (its register file and frames are per instance:
-concurrent calls segfault), so each calling thread gets its own VM over the one shared library.
-Measured against a single VM behind a lock (scripts/thread_throughput.py), a VM per thread served
-about 1.5-2x the calls per second with 2-4 threads on a convnet and the same on a tiny MLP.
+One ``relax.VirtualMachine`` is not thread-safe (concurrent calls on one VM segfault, TVM 0.27), so
+calls take turns on the model's one VM behind a lock; input checks run outside it.
+The alternative, a VM per calling thread, was measured side by side (scripts/thread_throughput.py):
+it served no more calls per second, and with more callers than cores it served fewer, because TVM
+gives each calling thread its own pool of TVM_NUM_THREADS workers and concurrent calls oversubscribe
+the cores. See README, Reliability.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .targets import device_for, parse_target
 class LoadedModel:
     """An exported module plus its metadata; calling it checks inputs and runs ``main``.
 
-    Thread-safe: every thread that calls the model runs its own VM (made on its first call).
+    Thread-safe: calls from any number of threads take turns on the one VM (see the module doc).
     Without a ``.so.json`` next to the library, input names, shapes and dtypes come from the
     module's own ``main`` signature and the device is the CPU.
     """
@@ -49,10 +51,10 @@ class LoadedModel:
             self.lib = tvm.runtime.load_module(str(self.path))
         except Exception as err:
             raise ModuleError(f"{self.path}: cannot load module: {last_line(err)}") from None
-        self._vm_lock = threading.Lock()
-        self._local = threading.local()
+        self._lock = threading.Lock()  # one call at a time on the one VM
+        self._local = threading.local()  # what each thread's last call ran
         try:
-            vm = self.vm
+            self.vm = vm = relax.VirtualMachine(self.lib, self.device)
         except AttributeError:
             raise ModuleError(
                 f"{self.path}: not a TVM Relax VM module (it has no vm_load_executable); "
@@ -73,15 +75,6 @@ class LoadedModel:
         else:
             self.inputs = declared
             self.buckets = []
-
-    @property
-    def vm(self) -> relax.VirtualMachine:
-        """This thread's VM (made on the thread's first use)."""
-        vm = getattr(self._local, "vm", None)
-        if vm is None:
-            with self._vm_lock:
-                vm = self._local.vm = relax.VirtualMachine(self.lib, self.device)
-        return vm
 
     @property
     def last_function(self) -> str | None:
@@ -113,7 +106,8 @@ class LoadedModel:
     def __call__(self, *args, **kwargs):
         prepared = self._prepare(args, kwargs)
         entry = self._local.last_function = self.entry_for(prepared)
-        return _to_numpy(self.vm[entry](*prepared))
+        with self._lock:
+            return _to_numpy(self.vm[entry](*prepared))
 
     def latency_ms(self, *args, number: int = 10, repeat: int = 5) -> list[float]:
         for key, value in (("number", number), ("repeat", repeat)):
@@ -121,7 +115,9 @@ class LoadedModel:
                 raise InputError(f"{key} must be an integer >= 1, got {value!r}")
         prepared = self._prepare(args, {})
         timer = self.vm.time_evaluator(self.entry_for(prepared), self.device, number=number, repeat=repeat)
-        return [r * 1e3 for r in timer(*prepared).results]
+        with self._lock:
+            results = timer(*prepared).results
+        return [r * 1e3 for r in results]
 
     def random_inputs(self, seed: int = 0) -> dict[str, np.ndarray]:
         """Standard-normal inputs of the declared shapes (symbolic dims 1), if memory allows."""
