@@ -27,6 +27,8 @@ from .errors import ExportError, ModuleError, TargetError
 from .files import default_mode, write_json_atomic
 from .frontend import TensorSpec
 from .jsonio import json_type, read_json
+from .shape_cache import check_bucket
+from .targets import parse_target
 
 FORMAT = "tvm_fusion/1"
 
@@ -94,9 +96,6 @@ class Metadata:
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
     """Read and check the sidecar at ``path``: one :class:`ModuleError` naming the file and the key."""
-    from .shape_cache import check_bucket
-    from .targets import parse_target
-
     path = Path(path)
     data = read_json(path, "module metadata", ModuleError)
 
@@ -193,35 +192,29 @@ def check_library(path: Path, expected: dict | None = None) -> None:
         )
 
 
+# Where the ELF fields we need sit, per ELF class (1: 32-bit, 2: 64-bit): word format, offset of
+# (e_phoff, e_shoff), offset of (e_phentsize, e_phnum, e_shentsize, e_shnum), and p_offset and
+# p_filesz inside a program header.
+_ELF_LAYOUT = {1: ("I", 28, 42, 4, 16), 2: ("Q", 32, 54, 8, 32)}
+
+
 def _check_elf(path: Path, size: int) -> None:
     """Every header table and loadable segment the ELF headers declare must lie inside the file."""
     with open(path, "rb") as handle:
         head = handle.read(64)
-        if head[:4] != b"\x7fELF" or len(head) < 52:
+        if head[:4] != b"\x7fELF" or len(head) < 52 or head[4] not in _ELF_LAYOUT:
             raise ModuleError(f"{path}: not a shared library (no ELF header)")
-        wide, order = head[4] == 2, "<" if head[5] == 1 else ">"
-        if wide:
-            phoff, shoff = struct.unpack_from(order + "QQ", head, 32)
-            phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 54)
-        else:
-            phoff, shoff = struct.unpack_from(order + "II", head, 28)
-            phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 42)
+        word, tables_at, counts_at, offset_at, filesz_at = _ELF_LAYOUT[head[4]]
+        order = "<" if head[5] == 1 else ">"
+        phoff, shoff = struct.unpack_from(order + word * 2, head, tables_at)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, counts_at)
         ends = [phoff + phentsize * phnum, shoff + shentsize * shnum]
         if ends[0] <= size:
             handle.seek(phoff)
             table = handle.read(phentsize * phnum)
-            for i in range(phnum):
-                entry = table[i * phentsize : (i + 1) * phentsize]
-                if wide:
-                    offset, filesz = (
-                        struct.unpack_from(order + "Q", entry, 8)[0],
-                        struct.unpack_from(order + "Q", entry, 32)[0],
-                    )
-                else:
-                    offset, filesz = (
-                        struct.unpack_from(order + "I", entry, 4)[0],
-                        struct.unpack_from(order + "I", entry, 16)[0],
-                    )
+            for start in range(0, phentsize * phnum, phentsize):
+                (offset,) = struct.unpack_from(order + word, table, start + offset_at)
+                (filesz,) = struct.unpack_from(order + word, table, start + filesz_at)
                 ends.append(offset + filesz)
     if max(ends) > size:
         raise ModuleError(
