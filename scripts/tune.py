@@ -36,7 +36,9 @@ def main(argv=None) -> int:
         "--rpc", default=None, metavar="HOST:PORT:KEY", help="measure on a TVM RPC tracker's devices"
     )
     ap.add_argument("--per-iter", type=int, default=16, help="candidates measured per batch (default 16)")
-    ap.add_argument("--workers", type=int, default=1, help="builder worker processes (default 1)")
+    ap.add_argument(
+        "--builders", type=int, default=None, help="builder worker processes (default: one per core)"
+    )
     ap.add_argument("--policy", default=None, help="fusion policy file (must be the one the build uses)")
     ap.add_argument(
         "--measure",
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
             log_root=args.log_root,
             rpc=args.rpc,
             num_trials_per_iter=args.per_iter,
-            max_workers=args.workers,
+            builders=args.builders,
             progress=not args.no_progress,
             verify_again=args.verify_again,
         )

@@ -138,8 +138,15 @@ def test_bad_rpc_spec_is_a_target_error(spec):
 
 
 def test_rpc_spec_parses():
-    cfg = tuning.parse_rpc("10.0.0.2:9190:a100")
-    assert (cfg.tracker_host, cfg.tracker_port, cfg.tracker_key) == ("10.0.0.2", 9190, "a100")
+    tracker = tuning.parse_rpc("10.0.0.2:9190:a100")
+    assert (tracker.host, tracker.port, tracker.key) == ("10.0.0.2", 9190, "a100")
+    cfg = tracker.config(session_timeout_s=30)
+    assert (cfg.tracker_host, cfg.tracker_port, cfg.tracker_key, cfg.session_timeout_sec) == (
+        "10.0.0.2",
+        9190,
+        "a100",
+        30,
+    )
 
 
 def test_cuda_target_gets_meta_schedule_attributes():

@@ -98,12 +98,14 @@ def build(
     tuning_logs: str | os.PathLike | None = DEFAULT_TUNING_LOGS,
     database=None,
     shape_buckets: list[dict] | None = None,
+    device_key: str | None = None,
     **options,
 ) -> BuildResult:
     """Import (if needed), optimise and compile ``model`` for ``target``.
 
     Tuned records are looked up under ``tuning_logs/<model>/<target-key>/`` unless
-    ``tuning_logs=None`` or an explicit Meta-Schedule ``database`` is given.
+    ``tuning_logs=None`` or an explicit Meta-Schedule ``database`` is given; ``device_key`` picks
+    the records tuned on a fleet's servers under that RPC key (``<target-key>@<key>``).
     ``shape_buckets`` (e.g. ``[{"batch": 1}, {"batch": 8}]``) adds specialised entries for
     models with symbolic dims; the generic ``main`` serves every other shape.
     """
@@ -117,7 +119,9 @@ def build(
         imported = dataclasses.replace(imported, mod=specialised)
     note = status = ""
     if database is None and tuning_logs is not None and options.get("schedule", True):
-        database, report = load_records(tuning_logs, imported.name, imported.model_hash, target)
+        database, report = load_records(
+            tuning_logs, imported.name, imported.model_hash, target, device_key=device_key
+        )
         note, status = str(report), report.status
     stages = pipeline_stages(target, policy, database=database, **options)
     mod = run_passes(imported.mod, stages.rewrite + stages.fuse + stages.tuned, target, imported.name)

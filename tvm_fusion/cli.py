@@ -80,6 +80,7 @@ def cmd_build(args) -> int:
         args.policy,
         tuning_logs=tuning_logs,
         shape_buckets=buckets,
+        device_key=args.device_key,
         **_pipeline_options(args),
     )
     out = Path(args.output or f"{imported.name}.{target.kind.name}.so")
@@ -109,6 +110,7 @@ def cmd_tune(args) -> int:
         trials=args.trials,
         log_root=args.tuning_logs,
         rpc=args.rpc,
+        builders=args.builders,
         max_trials_per_task=args.trials_per_task,
         options=_pipeline_options(args),
         verify_again=args.verify_again,
@@ -124,6 +126,14 @@ def cmd_tune(args) -> int:
                 options=_pipeline_options(args),
             )
         )
+    return 0
+
+
+def cmd_fleet(args) -> int:
+    host, _, port = args.tracker.rpartition(":")
+    if not host or not port.isdigit():
+        raise TvmFusionError(f"bad RPC tracker {args.tracker!r}: expected 'host:port', e.g. '127.0.0.1:9190'")
+    print(tuning.fleet_report(host, int(port)))
     return 0
 
 
@@ -186,6 +196,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--no-tuning-logs", action="store_true", help="ignore stored tuning records")
     b.add_argument(
+        "--device-key",
+        default=None,
+        help="use the records tuned on the RPC servers under this key (tune --rpc host:port:KEY)",
+    )
+    b.add_argument(
         "--shape-bucket",
         action="append",
         default=[],
@@ -213,7 +228,16 @@ def make_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--tuning-logs", default="tuning_logs", help="where records go (default tuning_logs)")
     t.add_argument(
-        "--rpc", default=None, help="host:port:key of a TVM RPC tracker, to tune on a remote device"
+        "--rpc",
+        default=None,
+        metavar="HOST:PORT:KEY",
+        help="measure on every server registered under KEY at this TVM RPC tracker (records go to <target-key>@KEY)",
+    )
+    t.add_argument(
+        "--builders",
+        type=int,
+        default=None,
+        help="local processes building candidates (default: one per core)",
     )
     t.add_argument(
         "--measure", action="store_true", help="afterwards, time the tuned build against the untuned one"
@@ -224,6 +248,10 @@ def make_parser() -> argparse.ArgumentParser:
         help="re-time each kernel's best record against its default schedule (after a run on a busy machine)",
     )
     t.set_defaults(func=cmd_tune)
+
+    f = sub.add_parser("fleet", help="list the servers per device key at a TVM RPC tracker")
+    f.add_argument("tracker", metavar="HOST:PORT", help="the tracker's address, e.g. 127.0.0.1:9190")
+    f.set_defaults(func=cmd_fleet)
 
     r = sub.add_parser("run", help="load an exported .so and run it on random (or .npz) inputs")
     r.add_argument("module")

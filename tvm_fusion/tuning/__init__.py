@@ -6,7 +6,8 @@ One job per module, as in Meta-Schedule itself:
 * ``records`` — the record store ``<root>/<model>/<target-key>/`` (Meta-Schedule JSON database +
   manifest): atomic writes, one writer at a time, checks before reuse, ``load_records`` for the build.
 * ``tasks`` — one task per fused kernel, budgets, our rule's runner-up plans as candidates.
-* ``workers`` — the persistent local builder, local/RPC runners, side-by-side timing.
+* ``workers`` — the persistent local builder, the runner, side-by-side timing.
+* ``fleet`` — measuring on the servers under a TVM RPC tracker key (checked before work starts).
 * ``search`` — the search for one task, saved batch by batch; Ctrl-C and SIGTERM handling.
 * ``verify`` — each task's best record timed next to its default schedule.
 * ``driver`` — ``tune`` (a fused module) and ``tune_model`` (an ONNX model, example or IRModule).
@@ -18,6 +19,7 @@ See ``tuning_logs/README.md`` for the files.
 
 from .driver import TuneResult, open_for_tuning, plan_tasks, tune, tune_model
 from .environment import check_environment, load_tensor_intrinsics
+from .fleet import FleetRunner, Tracker, check_fleet, fleet_report, parse_rpc
 from .records import (
     MANIFEST_FILE,
     MANIFEST_FORMAT,
@@ -39,7 +41,7 @@ from .records import (
 )
 from .search import TaskSummary
 from .tasks import RULE_CANDIDATES, default_schedule_modules, extract_tasks, rule_candidates, split_budget
-from .workers import check_can_tune, parse_rpc, tuning_target
+from .workers import check_can_tune, tuning_target
 
 __all__ = [
     "MANIFEST_FILE",
@@ -47,6 +49,10 @@ __all__ = [
     "MIN_GAIN",
     "RECORD_FILE",
     "RULE_CANDIDATES",
+    "FleetRunner",
+    "Tracker",
+    "check_fleet",
+    "fleet_report",
     "WORKLOAD_FILE",
     "RecordLock",
     "RecordReport",

@@ -25,6 +25,7 @@ from ..pipeline import unscheduled_module
 from ..shape_cache import symbolic_dims
 from ..targets import parse_target
 from .environment import check_environment, load_tensor_intrinsics
+from .fleet import parse_rpc
 from .records import (
     RecordLock,
     RecordSet,
@@ -81,12 +82,14 @@ class TuneResult:
         return "\n".join(lines)
 
 
-def open_for_tuning(path: Path, model_name: str, model_hash: str, target, messages: list[str]) -> RecordSet:
+def open_for_tuning(
+    path: Path, model_name: str, model_hash: str, target, messages: list[str], device_key: str | None = None
+) -> RecordSet:
     """The existing compatible record set, or a new one (moving an incompatible one aside)."""
     if has_records(path):
         try:
             rset = read_record_set(path)
-            problems = check_compatible(rset.manifest, model_hash, target)
+            problems = check_compatible(rset.manifest, model_hash, target, device_key)
         except TuningRecordError as err:
             problems = [str(err)]
         if not problems:
@@ -95,7 +98,7 @@ def open_for_tuning(path: Path, model_name: str, model_hash: str, target, messag
         aside = path.with_name(f"{path.name}.old-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
         os.replace(path, aside)
         messages.append(f"{path}: {'; '.join(problems)}: moved to {aside.name}, tuning from scratch")
-    return RecordSet(path=path, manifest=new_manifest(model_name, model_hash, target))
+    return RecordSet(path=path, manifest=new_manifest(model_name, model_hash, target, device_key))
 
 
 def plan_tasks(rset: RecordSet, tasks: list, budgets: list[int]) -> list[TaskSummary]:
@@ -140,7 +143,7 @@ def tune(
     rpc: str | None = None,
     progress: bool = True,
     num_trials_per_iter: int = 16,
-    max_workers: int = 1,
+    builders: int | None = None,
     timeout_s: float = 60.0,
     seed: int = 0,
     min_repeat_ms: int = 50,
@@ -164,7 +167,10 @@ def tune(
     Search, per task (:class:`search.TaskSearch`): first (CPU) the Contraction rule's runner-up
     plans, then Meta-Schedule's evolutionary search with the XGBoost cost model for the rest,
     ``num_trials_per_iter`` candidates measured per batch; ``population_size`` defaults to 16 x that
-    (64..512; Meta-Schedule's default is 512).
+    (64..512; Meta-Schedule's default is 512). Candidates are built here by ``builders`` worker
+    processes (default: one per core) and measured here, or with ``rpc="host:port:key"`` on every
+    server registered under the key at that TVM RPC tracker (:mod:`.fleet`); fleet records go to
+    ``<target-key>@<key>``, apart from local ones.
 
     With ``check_default`` (default), each tuned task's best schedule is then timed side by side
     with the task's default schedule (``verify_rounds`` rounds); the manifest keeps both, and the
@@ -178,13 +184,15 @@ def tune(
     say = log or (lambda msg: print(msg, file=sys.stderr))
     if int(trials) < 0:
         raise TvmFusionError(f"trials must be 0 or more, got {trials}")
-    check_can_tune(target, rpc)
+    tracker = parse_rpc(rpc) if rpc is not None else None
+    num_servers = check_can_tune(target, tracker)
     check_environment()
-    path = record_dir(log_root, model_name, target)
+    device_key = tracker.key if tracker is not None else None
+    path = record_dir(log_root, model_name, target, device_key)
     search_target = tuning_target(target)
     messages: list[str] = []
     with _writable(path), RecordLock(path), StopRequests(say) as stop:
-        rset = open_for_tuning(path, model_name, model_hash, target, messages)
+        rset = open_for_tuning(path, model_name, model_hash, target, messages, device_key)
         for msg in messages:
             say(msg)
         tasks = extract_tasks(mod, target)
@@ -203,8 +211,8 @@ def tune(
         )
         builder = runner = None
         if remaining > 0 or (check_default and any(s.best_us is not None for s in summaries)):
-            builder = PersistentLocalBuilder(max_workers, timeout_s)
-            runner = make_runner(rpc, evaluator, timeout_s, max_workers)
+            builder = PersistentLocalBuilder(builders or os.cpu_count() or 1, timeout_s)
+            runner = make_runner(tracker, num_servers, evaluator, timeout_s)
         bar = progress_bar(remaining, progress and remaining > 0)
         search = TaskSearch(rset, search_target, builder, runner, settings, bar, stop, on_batch)
         try:

@@ -79,9 +79,14 @@ def safe_folder_name(name: str) -> str:
     return safe
 
 
-def record_dir(log_root: str | os.PathLike, model_name: str, target: tvm.target.Target) -> Path:
-    """``<log_root>/<model>/<target-key>``, with the model name made a safe folder name."""
-    return Path(log_root) / safe_folder_name(model_name) / target_key(target)
+def record_dir(
+    log_root: str | os.PathLike, model_name: str, target: tvm.target.Target, device_key: str | None = None
+) -> Path:
+    """``<log_root>/<model>/<target-key>``, or ``<target-key>@<device-key>`` for records measured on
+    the RPC servers registered under ``device_key`` (a fleet with two kinds of device keeps two
+    record sets); the model name made a safe folder name."""
+    folder = target_key(target) + (f"@{safe_folder_name(device_key)}" if device_key else "")
+    return Path(log_root) / safe_folder_name(model_name) / folder
 
 
 def _now() -> str:
@@ -240,13 +245,16 @@ def _plain_json(obj):
     raise TypeError(f"cannot write {type(obj).__name__} into a tuning record")
 
 
-def new_manifest(model_name: str, model_hash: str, target: tvm.target.Target) -> dict:
+def new_manifest(
+    model_name: str, model_hash: str, target: tvm.target.Target, device_key: str | None = None
+) -> dict:
     return {
         "format": MANIFEST_FORMAT,
         "model_name": model_name,
         "model_hash": model_hash,
         "target_key": target_key(target),
         "target": target_json(target),
+        "device_key": device_key,
         "tvm_version": tvm.__version__,
         "tvm_fusion_version": __version__,
         "created": _now(),
@@ -355,8 +363,11 @@ def _json_lines(path: Path) -> Iterable[tuple[int, Any]]:
             raise TuningRecordError(f"{path}: line {lineno}: corrupt or truncated JSON ({err.msg})") from None
 
 
-def check_compatible(manifest: dict, model_hash: str, target: tvm.target.Target) -> list[str]:
-    """Reasons this record set must not be used for (model_hash, target, this TVM); [] if none."""
+def check_compatible(
+    manifest: dict, model_hash: str, target: tvm.target.Target, device_key: str | None = None
+) -> list[str]:
+    """Reasons this record set must not be used for (model_hash, target, device key, this TVM);
+    [] if none."""
     problems = []
     if manifest.get("format") != MANIFEST_FORMAT:
         problems.append(
@@ -372,6 +383,8 @@ def check_compatible(manifest: dict, model_hash: str, target: tvm.target.Target)
         problems.append(f"made for target {json.dumps(have, sort_keys=True)} (differs in {', '.join(diff)})")
     if manifest.get("tvm_version") != tvm.__version__:
         problems.append(f"made with TVM {manifest.get('tvm_version')}, this is TVM {tvm.__version__}")
+    if manifest.get("device_key") != device_key:
+        problems.append(f"measured on device key {manifest.get('device_key')}, not {device_key}")
     return problems
 
 
@@ -406,10 +419,15 @@ def load_records(
     model_hash: str,
     target: tvm.target.Target,
     *,
+    device_key: str | None = None,
     strict: bool = False,
     only_faster: bool = True,
 ):
     """Find the records for (model, target, this TVM): returns ``(database or None, RecordReport)``.
+
+    ``device_key`` picks the records measured on a fleet's servers under that key; without it the
+    locally measured records are used, or the one fleet record set for this target if there is
+    exactly one (with several, the report lists them and asks for a key).
 
     Records for another model hash, target or TVM version, and corrupt, truncated or unreadable
     files, are reported and ignored (the build then uses default schedules); ``strict=True`` raises
@@ -418,7 +436,7 @@ def load_records(
     :func:`slower_than_default`), so a tuned build is never slower than the untuned one; the
     database is ``None`` when nothing is left.
     """
-    path = record_dir(log_root, model_name, target)
+    path = record_dir(log_root, model_name, target, device_key)
     if Path(log_root).exists() and not Path(log_root).is_dir():
         report = RecordReport(
             path, "corrupt", [f"{log_root}: is a file, not a tuning-records folder: ignored"]
@@ -426,6 +444,9 @@ def load_records(
         if strict:
             raise TuningRecordError(str(report))
         return None, report
+    fleet_sets = _fleet_record_sets(path) if device_key is None and not has_records(path) else []
+    if len(fleet_sets) == 1:
+        path, device_key = fleet_sets[0], fleet_sets[0].name.split("@", 1)[1]
     if not has_records(path):
         parent = path.parent
         others = (
@@ -434,7 +455,9 @@ def load_records(
             else []
         )
         msg = f"{path}: no tuning records: using default schedules"
-        if others:
+        if fleet_sets:
+            msg += f" (records from several fleets: {', '.join(p.name for p in fleet_sets)}; pick one with --device-key)"
+        elif others:
             msg += f" (records exist for other targets: {', '.join(others)})"
         return None, RecordReport(path, "missing", [msg])
     try:
@@ -444,7 +467,7 @@ def load_records(
         if strict:
             raise
         return None, RecordReport(path, "corrupt", [f"{err}: ignored, using default schedules"])
-    problems = check_compatible(rset.manifest, model_hash, target)
+    problems = check_compatible(rset.manifest, model_hash, target, device_key)
     if problems:
         msg = f"{path}: {'; '.join(problems)}: ignored"
         if strict:
@@ -477,6 +500,13 @@ def load_records(
     if any(inst.kind.name == "Tensorize" for rec in rset.records for inst in rec.trace.insts):
         load_tensor_intrinsics()
     return rset.to_database(exclude=skipped), report
+
+
+def _fleet_record_sets(local: Path) -> list[Path]:
+    """Record folders ``<target-key>@<device-key>`` beside the local one."""
+    if not local.parent.is_dir():
+        return []
+    return sorted(p for p in local.parent.glob(f"{local.name}@*") if (p / MANIFEST_FILE).exists())
 
 
 def slower_than_default(rset: RecordSet) -> tuple[dict[str, str], list[str]]:

@@ -23,6 +23,7 @@ from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from ..errors import TargetError
 from ..targets import is_gpu, target_json
+from .fleet import FleetRunner, Tracker, check_fleet
 
 # What Meta-Schedule's GPU rules read from the target; the short "cuda" target lacks them.
 _CUDA_TUNING_DEFAULTS = {
@@ -64,29 +65,19 @@ class PersistentLocalBuilder(ms.builder.PyBuilder):
         return results
 
 
-def parse_rpc(spec: str) -> ms.runner.RPCConfig:
-    """``"host:port:key"`` -> ``ms.runner.RPCConfig``."""
-    parts = spec.rsplit(":", 2) if isinstance(spec, str) else []
-    if len(parts) != 3 or not parts[0] or not parts[2] or not parts[1].isdigit():
-        raise TargetError(f"bad RPC tracker {spec!r}: expected 'host:port:key', e.g. '127.0.0.1:9190:h100'")
-    return ms.runner.RPCConfig(
-        tracker_host=parts[0], tracker_port=int(parts[1]), tracker_key=parts[2], session_timeout_sec=60
-    )
-
-
-def make_runner(rpc: str | None, evaluator_config, timeout_s: float, max_workers: int):
-    if rpc is not None:
-        return ms.runner.RPCRunner(
-            rpc_config=parse_rpc(rpc), evaluator_config=evaluator_config, max_workers=max_workers
-        )
+def make_runner(tracker: Tracker | None, num_servers: int, evaluator_config, timeout_s: float):
+    """A runner on this machine, or on every server under the tracker's key."""
+    if tracker is not None:
+        return FleetRunner(tracker, evaluator_config, num_servers, timeout_s)
     return ms.runner.LocalRunner(timeout_sec=timeout_s, evaluator_config=evaluator_config)
 
 
-def check_can_tune(target: tvm.target.Target, rpc: str | None = None) -> None:
-    """GPU tuning measures on a GPU: a local one, or one behind an RPC tracker."""
-    if rpc is not None:
-        parse_rpc(rpc)
-        return
+def check_can_tune(target: tvm.target.Target, tracker: Tracker | None = None) -> int:
+    """Fail before any work when there is nothing to measure on: GPU tuning needs a local GPU or
+    a fleet, and a fleet needs a tracker with servers under the key. Returns the number of servers
+    (0 for local measuring)."""
+    if tracker is not None:
+        return check_fleet(tracker)
     if is_gpu(target):
         kind = target.kind.name
         if not tvm.device(kind, 0).exist:
@@ -95,6 +86,7 @@ def check_can_tune(target: tvm.target.Target, rpc: str | None = None) -> None:
                 "device: run it on a machine with one, or pass rpc='host:port:key' for a TVM RPC "
                 "tracker (building with existing records does not need a GPU)"
             )
+    return 0
 
 
 def tuning_target(target: tvm.target.Target) -> tvm.target.Target:
