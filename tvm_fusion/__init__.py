@@ -24,8 +24,11 @@ if "TVM_NUM_THREADS" not in _os.environ and "OMP_NUM_THREADS" not in _os.environ
 
 from .api import BuildResult, LoadedModel, build, export_library, load, optimize  # noqa: E402
 from .errors import (  # noqa: E402
+    ExportError,
     InputError,
     ModelLoadError,
+    ModuleError,
+    PolicyError,
     TargetError,
     TuningRecordError,
     TvmFusionError,
@@ -48,12 +51,15 @@ __all__ = [
     "ApplyFusionPolicy",
     "BuildResult",
     "CanonicalizeActivations",
+    "ExportError",
     "FoldBatchNorm",
     "FusionPolicy",
     "HorizontalFuse",
     "InputError",
     "LoadedModel",
     "ModelLoadError",
+    "ModuleError",
+    "PolicyError",
     "RewriteLayout",
     "Roofline",
     "TargetError",

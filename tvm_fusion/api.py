@@ -10,22 +10,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import tvm
 from tvm import relax
 
 from . import __version__
-from .errors import InputError, TargetError, TvmFusionError, last_line
-from .files import write_json_atomic
-from .frontend import ImportedModel, TensorSpec, as_imported
+from .errors import TargetError, TvmFusionError, last_line
+from .frontend import ImportedModel, as_imported
+from .loaded import LoadedModel, check_input, load  # noqa: F401  (re-exported)
+from .module_file import export_library
 from .pipeline import pipeline_passes, pipeline_stages, run_passes
 from .report import Summary, summarize
-from .shape_cache import add_shape_buckets, select_function
-from .targets import check_can_build, device_for, parse_target, target_json
+from .shape_cache import add_shape_buckets
+from .targets import check_can_build, parse_target, target_json
 from .tuning.records import load_records
 
 DEFAULT_TUNING_LOGS = "tuning_logs"
@@ -160,102 +159,7 @@ def _scheduled_count(mod: tvm.IRModule) -> int:
     )
 
 
-# -- export / load ----------------------------------------------------------------------------
-def export_library(executable, path: str | os.PathLike, metadata: dict | None = None) -> Path:
-    """Export atomically: a crash never leaves a half-written .so or metadata file behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix or ".so", dir=path.parent)
-    os.close(fd)
-    try:
-        executable.export_library(tmp)
-        if metadata is not None:
-            write_json_atomic(Path(str(path) + ".json"), metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
-class LoadedModel:
-    """An exported module plus its metadata; calling it checks inputs and runs ``main``."""
-
-    def __init__(self, path: str | os.PathLike, device=None):
-        self.path = Path(path)
-        if not self.path.exists():
-            raise TvmFusionError(f"{self.path}: no such file")
-        meta_path = Path(str(self.path) + ".json")
-        self.metadata = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-        target = parse_target(self.metadata["target"]) if "target" in self.metadata else parse_target("llvm")
-        self.device = device or device_for(target)
-        try:
-            self.lib = tvm.runtime.load_module(str(self.path))
-        except Exception as err:
-            raise TvmFusionError(f"{self.path}: cannot load module: {last_line(err)}") from None
-        self.vm = relax.VirtualMachine(self.lib, self.device)
-        self.inputs = [
-            TensorSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in self.metadata.get("inputs", [])
-        ]
-        self.buckets = self.metadata.get("buckets", [])
-        self.last_function: str | None = None  # which entry the last call ran (a bucket or "main")
-
-    def _prepare(self, args, kwargs) -> list:
-        if kwargs:
-            if args:
-                raise InputError("pass inputs either positionally or by name, not both")
-            missing = [s.name for s in self.inputs if s.name not in kwargs]
-            extra = sorted(set(kwargs) - {s.name for s in self.inputs})
-            if missing or extra:
-                raise InputError(f"inputs do not match the model: missing {missing}, unexpected {extra}")
-            args = [kwargs[s.name] for s in self.inputs]
-        if self.inputs and len(args) != len(self.inputs):
-            raise InputError(
-                f"model takes {len(self.inputs)} input(s) {[s.name for s in self.inputs]}, got {len(args)}"
-            )
-        for spec, value in zip(self.inputs, args):
-            check_input(spec, value)
-        return [
-            tvm.runtime.tensor(np.ascontiguousarray(a), self.device) if isinstance(a, np.ndarray) else a
-            for a in args
-        ]
-
-    def entry_for(self, arrays) -> str:
-        return select_function(self.buckets, self.inputs, arrays)
-
-    def __call__(self, *args, **kwargs):
-        prepared = self._prepare(args, kwargs)
-        self.last_function = self.entry_for(prepared)
-        return _to_numpy(self.vm[self.last_function](*prepared))
-
-    def latency_ms(self, *args, number: int = 10, repeat: int = 5) -> list[float]:
-        prepared = self._prepare(args, {})
-        timer = self.vm.time_evaluator(self.entry_for(prepared), self.device, number=number, repeat=repeat)
-        return [r * 1e3 for r in timer(*prepared).results]
-
-
-def check_input(spec: TensorSpec, value) -> None:
-    shape = tuple(value.shape)
-    dtype = str(value.dtype)
-    if dtype != spec.dtype:
-        raise InputError(f"input {spec.name!r}: dtype {dtype}, the model expects {spec.dtype}")
-    if len(shape) != len(spec.shape) or any(
-        isinstance(e, int) and e > 0 and e != g for e, g in zip(spec.shape, shape)
-    ):
-        raise InputError(f"input {spec.name!r}: shape {list(shape)}, the model expects {list(spec.shape)}")
-
-
-def load(path: str | os.PathLike, device=None) -> LoadedModel:
-    """Load an exported ``.so`` (and its ``.json`` metadata) for running."""
-    return LoadedModel(path, device)
-
-
-def _to_numpy(out):
-    if isinstance(out, tvm.runtime.Tensor):
-        return out.numpy()
-    if isinstance(out, (list, tuple)) or hasattr(out, "__len__"):
-        return [_to_numpy(o) for o in out]
-    return out
+# -- export / load: module_file.py (the .so + .so.json) and loaded.py (running it) ------------
 
 
 __all__ = ["BuildResult", "LoadedModel", "TargetError", "build", "export_library", "load", "optimize"]

@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from . import models, tuning
-from .api import build, load
+from .api import build
 from .benchmark import measure_speedup
 from .demo import run_demo
 from .errors import TvmFusionError
 from .frontend import as_imported
+from .loaded import load, read_inputs
 from .passes import explain
 from .pipeline import pipeline_stages, run_passes
 from .shape_cache import parse_bucket
@@ -138,17 +139,9 @@ def cmd_fleet(args) -> int:
 
 def cmd_run(args) -> int:
     model = load(args.module)
-    if args.inputs:
-        data = np.load(args.inputs)
-        feeds = {k: data[k] for k in data.files}
-    else:
-        rng = np.random.default_rng(0)
-        feeds = {
-            s.name: rng.standard_normal([d if isinstance(d, int) and d > 0 else 1 for d in s.shape]).astype(
-                s.dtype
-            )
-            for s in model.inputs
-        }
+    if not model.from_sidecar:
+        print(f"note: no {args.module}.json: inputs as the module declares them", file=sys.stderr)
+    feeds = read_inputs(args.inputs, model.inputs) if args.inputs else model.random_inputs()
     out = model(**feeds)
     outs = out if isinstance(out, list) else [out]
     for i, o in enumerate(outs):
@@ -168,8 +161,25 @@ def cmd_demo(args) -> int:
     return run_demo(out_dir=args.out_dir, target=args.target)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with our error format: one ``error: ...`` line, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tvm-fusion", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="tvm-fusion", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
 
     demo = sub.add_parser("demo", help="build, export, reload and check the bundled example models (default)")
@@ -246,8 +256,8 @@ def make_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="load an exported .so and run it on random (or .npz) inputs")
     r.add_argument("module")
     r.add_argument("--inputs", default=None, help="an .npz file with one array per input name")
-    r.add_argument("--number", type=int, default=10)
-    r.add_argument("--repeat", type=int, default=5)
+    r.add_argument("--number", type=_positive_int, default=10, help="runs per timing (default 10)")
+    r.add_argument("--repeat", type=_positive_int, default=5, help="timings (default 5)")
     r.set_defaults(func=cmd_run)
 
     x = sub.add_parser("examples", help="list the bundled example models")

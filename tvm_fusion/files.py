@@ -14,13 +14,23 @@ import tempfile
 from pathlib import Path
 
 
-def _read_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def current_umask() -> int:
+    """The process umask now (it can change after import), read without changing it where Linux
+    allows: ``os.umask`` can only swap, which races with other threads creating files."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # pragma: no cover - non-Linux: swap and restore
+    os.umask(mask)  # pragma: no cover
+    return mask  # pragma: no cover
 
 
-UMASK = _read_umask()
+def default_mode(executable: bool = False) -> int:
+    """The mode ``open()`` (0666) or a linker (0777) gives a new file under the current umask."""
+    return (0o777 if executable else 0o666) & ~current_umask()
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -32,7 +42,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())
-        os.chmod(tmp, 0o666 & ~UMASK)
+        os.chmod(tmp, default_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

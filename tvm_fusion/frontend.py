@@ -100,14 +100,38 @@ def read_onnx(path: str | os.PathLike) -> onnx.ModelProto:
 
 def check_onnx(model: onnx.ModelProto, where: str = "model") -> None:
     """Structural, opset and operator-support checks, before the frontend's own errors can fire."""
-    if len(model.graph.node) == 0:
-        raise ModelLoadError(f"{where}: the ONNX graph has no nodes (empty or truncated file?)")
+    graph = model.graph
+    if not graph.node and not graph.output:
+        raise ModelLoadError(
+            f"{where}: the ONNX graph has no nodes and no outputs (empty or truncated file?)"
+        )
     opset = _default_opset(model)
+    if opset is None:
+        raise ModelLoadError(
+            f"{where}: the model declares no ONNX opset (opset_import has no entry for the default "
+            f"domain); set one in {MIN_OPSET}..{MAX_OPSET}, e.g. onnx.helper.make_opsetid('', {MAX_OPSET})"
+        )
     if opset < MIN_OPSET or opset > MAX_OPSET:
         raise ModelLoadError(
             f"{where}: ONNX opset {opset} is outside the supported range {MIN_OPSET}..{MAX_OPSET}; "
             "convert the model with onnx.version_converter first"
         )
+    if not graph.node:  # a pass-through graph is fine: every output must then be an input or a constant
+        given = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+        unproduced = [v.name for v in graph.output if v.name not in given]
+        if unproduced:
+            raise ModelLoadError(
+                f"{where}: the ONNX graph has no nodes, yet outputs {unproduced} are neither inputs nor "
+                "initializers (truncated file?)"
+            )
+    for kind, values in (("input", graph.input), ("output", graph.output)):
+        for value in values:
+            for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+                if dim.HasField("dim_value") and dim.dim_value < 0:
+                    raise ModelLoadError(
+                        f"{where}: {kind} {value.name!r} has size {dim.dim_value} on axis {axis}; "
+                        "ONNX dims must be >= 0 or symbolic (dim_param)"
+                    )
     try:
         onnx.checker.check_model(model)
     except Exception as err:
@@ -147,11 +171,11 @@ def import_onnx(source, name: str | None = None) -> ImportedModel:
     )
 
 
-def _default_opset(model: onnx.ModelProto) -> int:
+def _default_opset(model: onnx.ModelProto) -> int | None:
     for entry in model.opset_import:
         if entry.domain in ("", "ai.onnx"):
             return entry.version
-    return 1
+    return None
 
 
 def _supported_ops() -> set[str] | None:

@@ -25,15 +25,16 @@ class may hand its output to which consumer classes inside one kernel. On top of
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .errors import TvmFusionError
+from .errors import PolicyError
+from .jsonio import json_type, read_json
 
 # Op names are Relax op names without the "relax." prefix.
 OP_CLASSES: dict[str, list[str]] = {
@@ -139,6 +140,25 @@ class Roofline:
     launch_overhead_us: float
     cache_bytes: int
 
+    def __post_init__(self):
+        _check_fields(self, ROOFLINE_FIELDS, "roofline.")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Roofline:
+        """From a JSON object with exactly the four fields (a partial roofline has no sane default)."""
+        if not isinstance(data, dict):
+            raise PolicyError(
+                f"fusion policy key 'roofline' must be {_ROOFLINE_WORDS}, got {json_type(data)}"
+            )
+        unknown = sorted(set(data) - set(ROOFLINE_FIELDS))
+        missing = sorted(set(ROOFLINE_FIELDS) - set(data))
+        if unknown or missing:
+            problem = f"unknown key(s) {unknown}" if unknown else f"missing key(s) {missing}"
+            raise PolicyError(
+                f"fusion policy key 'roofline': {problem}; it needs exactly {sorted(ROOFLINE_FIELDS)}"
+            )
+        return cls(**data)
+
     @classmethod
     def for_target(cls, target) -> Roofline:
         kind = getattr(getattr(target, "kind", None), "name", "llvm")
@@ -211,22 +231,23 @@ class FusionPolicy:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FusionPolicy:
         """Build from a plain dict; missing keys keep their defaults, unknown keys are errors."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
+        if not isinstance(data, dict):
+            raise PolicyError(f"a fusion policy must be a JSON object, got {json_type(data)}")
+        unknown = sorted(set(data) - set(POLICY_FIELDS))
         if unknown:
-            raise TvmFusionError(f"unknown fusion policy key(s) {unknown}; valid keys: {sorted(fields)}")
+            raise PolicyError(f"unknown fusion policy key(s) {unknown}; valid keys: {sorted(POLICY_FIELDS)}")
         data = dict(data)
-        if isinstance(data.get("roofline"), dict):
-            data["roofline"] = Roofline(**data["roofline"])
+        if data.get("roofline") is not None and not isinstance(data["roofline"], Roofline):
+            data["roofline"] = Roofline.from_dict(data["roofline"])
         return cls(**data)
 
     @classmethod
     def from_json(cls, path: str | Path) -> FusionPolicy:
+        data = read_json(path, "fusion policy", PolicyError)
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise TvmFusionError(f"{path}: cannot read fusion policy: {err}") from None
-        return cls.from_dict(data)
+            return cls.from_dict(data)
+        except PolicyError as err:
+            raise PolicyError(f"{path}: {err}") from None
 
     @classmethod
     def coerce(cls, policy: FusionPolicy | dict | str | Path | None) -> FusionPolicy:
@@ -247,20 +268,20 @@ class FusionPolicy:
 
     # -- queries --------------------------------------------------------------------------
     def validate(self) -> None:
-        if not isinstance(self.max_fusion_depth, int) or self.max_fusion_depth < 1:
-            raise TvmFusionError(f"max_fusion_depth must be an integer >= 1, got {self.max_fusion_depth!r}")
+        """Every field has its type (a JSON ``"false"`` is not false), every class name is known."""
+        _check_fields(self, POLICY_FIELDS)
         known = set(self.op_classes)
-        for producer, consumers in self.vertical.items():
-            for name in [producer, *consumers]:
+        for key, names in [
+            *((f"vertical[{p!r}]", [p, *c]) for p, c in self.vertical.items()),
+            ("anchor_classes", self.anchor_classes),
+            ("epilogue_classes", self.epilogue_classes),
+        ]:
+            for name in names:
                 if name not in known:
-                    raise TvmFusionError(
-                        f"fusion policy names op class {name!r}, which is not in op_classes {sorted(known)}"
+                    raise PolicyError(
+                        f"fusion policy key {key} names op class {name!r}, which is not in op_classes "
+                        f"{sorted(known)}"
                     )
-        for name in [*self.anchor_classes, *self.epilogue_classes]:
-            if name not in known:
-                raise TvmFusionError(
-                    f"fusion policy names op class {name!r}, which is not in op_classes {sorted(known)}"
-                )
 
     def op_class(self, op_name: str) -> str | None:
         """The class of a Relax op name ("relax.nn.conv2d" or "nn.conv2d"), or None if unclassified."""
@@ -277,3 +298,58 @@ class FusionPolicy:
 
     def is_anchor(self, op_class: str | None) -> bool:
         return op_class in self.anchor_classes
+
+
+# -- typed fields ---------------------------------------------------------------------------
+# One table per dataclass: field -> (check, what the value must be). JSON gives strings, numbers,
+# booleans, lists and objects; Python's truthiness would take "false" or "no" as true, and bool is
+# an int, so every field is checked for its exact type.
+def _is_bool(value) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _is_names(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+
+
+def _is_class_table(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and _is_names(v) for k, v in value.items())
+
+
+POLICY_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "vertical": (_is_class_table, "an object mapping each producer class to a list of consumer classes"),
+    "op_classes": (_is_class_table, "an object mapping each class name to a list of Relax op names"),
+    "max_fusion_depth": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "anchor_classes": (_is_names, "a list of op class names"),
+    "epilogue_classes": (_is_names, "a list of op class names"),
+    "benefit_threshold_us": (_is_number, "a number (microseconds)"),
+    "use_cost_model": (_is_bool, "true or false"),
+    "roofline": (lambda v: v is None or isinstance(v, Roofline), "null or a roofline object"),
+    "horizontal": (_is_bool, "true or false"),
+}
+
+ROOFLINE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "bandwidth_gbps": (lambda v: _is_number(v) and v > 0, "a number > 0 (GB/s)"),
+    "peak_gflops": (lambda v: _is_number(v) and v > 0, "a number > 0 (GFLOP/s)"),
+    "launch_overhead_us": (lambda v: _is_number(v) and v >= 0, "a number >= 0 (microseconds)"),
+    "cache_bytes": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (bytes)"),
+}
+
+_ROOFLINE_WORDS = "null or an object with " + ", ".join(ROOFLINE_FIELDS)
+
+
+def _check_fields(obj, table: dict, prefix: str = "") -> None:
+    for name, (ok, expected) in table.items():
+        value = getattr(obj, name)
+        if not ok(value):
+            raise PolicyError(
+                f"fusion policy key '{prefix}{name}' must be {expected}, got {json_type(value)}"
+            )

@@ -111,7 +111,12 @@ def check_can_build(target: tvm.target.Target) -> None:
                 "CUDA target requested but nvcc is not on PATH (set CUDA_HOME or install the CUDA "
                 "toolkit); TVM compiles CUDA kernels with nvcc"
             )
-    if kind not in ("llvm", "cuda", "c"):
+    if kind == "c":  # tvm.compile emits C the host compiler rejects for vectorized schedules
+        raise TargetError(
+            "target kind 'c' is not supported by tvm_fusion: TVM's C backend cannot compile the vectorized "
+            "CPU schedules (use llvm)"
+        )
+    if kind not in ("llvm", "cuda"):
         raise TargetError(f"target kind {kind!r} is not supported by tvm_fusion (use llvm or cuda)")
 
 
