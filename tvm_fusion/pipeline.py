@@ -7,9 +7,12 @@ Order, and why:
 2. ``CanonicalizeActivations``: exporters spell GELU/SiLU as erf/sigmoid arithmetic; one op fuses
    as an epilogue, five ops with a diamond do not.
 3. ``HorizontalFuse``: sibling GEMMs/convs over one input become one (Q/K/V -> one GEMM + split).
+   ``FuseAttention``: each attention block becomes one ``R.nn.attention`` op (after the QKV
+   merge, which it looks through; before fusion, which would otherwise split the block).
 4. ``RewriteLayout`` + ``FoldConstant``: NCHW{c}/NHWC per target; weights transformed at compile time.
 5. ``ApplyFusionPolicy``: groups named ops into Primitive functions as the policy decides.
-6. ``LegalizeOps``, ``AnnotateTIROpPattern``, ``FoldConstant``, ``FuseTIR``: one PrimFunc per group.
+6. ``LegalizeOps`` (with the target in scope: attention becomes our fused kernel),
+   ``AnnotateTIROpPattern``, ``FoldConstant``, ``FuseTIR``: one PrimFunc per group.
 7. Schedules: constant weights marked layout-free, tuned records (``MetaScheduleApplyDatabase``),
    default (dlight-style) rules for the rest, packed weights folded into constants.
 
@@ -51,6 +54,7 @@ def pipeline_passes(
     *,
     fold_batch_norm: bool = True,
     horizontal: bool | None = None,
+    attention: bool | None = None,
     layout: str | bool | None = True,
     fusion: bool = True,
     schedule: bool = True,
@@ -66,8 +70,8 @@ def pipeline_passes(
         Fusion rules (None: defaults). ``policy.horizontal`` switches horizontal fusion.
     fold_batch_norm, fusion, schedule : bool
         Switch stages off (``fusion=False`` gives the unfused baseline: one kernel per op).
-    horizontal : bool | None
-        Overrides ``policy.horizontal`` when not None.
+    horizontal, attention : bool | None
+        Override ``policy.horizontal`` / ``policy.attention`` when not None.
     layout : True | False | str
         True: the pipeline's per-target layout (``PIPELINE_LAYOUT``); a string forces one
         ("NHWC", "NCHW8c", ...); False skips the layout pass.
@@ -78,6 +82,7 @@ def pipeline_passes(
         ApplyFusionPolicy,
         CanonicalizeActivations,
         FoldBatchNorm,
+        FuseAttention,
         HorizontalFuse,
         RewriteLayout,
     )
@@ -86,19 +91,24 @@ def pipeline_passes(
     target = parse_target(target)
     policy = FusionPolicy.coerce(policy)
     horizontal = policy.horizontal if horizontal is None else horizontal
+    attention = policy.attention if attention is None else attention
     passes: list[tvm.transform.Pass] = []
     if fold_batch_norm:
         passes += [FoldBatchNorm(), relax.transform.FoldConstant()]
     passes.append(CanonicalizeActivations())
     if horizontal:
         passes.append(HorizontalFuse())
+    if attention and fusion:
+        if not fold_batch_norm:  # scales, masks and causal triangles must be constants
+            passes.append(relax.transform.FoldConstant())
+        passes.append(FuseAttention())
     if layout:
         chosen = PIPELINE_LAYOUT.get(target.kind.name, "auto") if layout is True else layout
         passes += [RewriteLayout(target, chosen), relax.transform.FoldConstant()]
     if fusion:
         passes.append(ApplyFusionPolicy(policy, target))
     passes += [
-        relax.transform.LegalizeOps(),
+        in_target(target, relax.transform.LegalizeOps()),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseTIR(),

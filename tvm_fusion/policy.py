@@ -20,6 +20,10 @@ class may hand its output to which consumer classes inside one kernel. On top of
   writing and re-reading the intermediate, minus compute added when an inlined producer is
   recomputed for every read, plus one kernel launch saved. An edge is fused only when the
   benefit is at least ``benefit_threshold_us``.
+
+Two switches run before the table: ``horizontal`` (sibling GEMMs over one input become one, see
+``HorizontalFuse``) and ``attention`` (scaled-dot-product attention blocks become one fused kernel
+that never materialises the score tensor, see ``FuseAttention``).
 """
 
 from __future__ import annotations
@@ -204,6 +208,7 @@ class FusionPolicy:
     use_cost_model: bool = True
     roofline: Roofline | None = None  # None: the preset for the build target
     horizontal: bool = True
+    attention: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -248,6 +253,9 @@ class FusionPolicy:
 
     # -- queries --------------------------------------------------------------------------
     def validate(self) -> None:
+        for switch in ("horizontal", "attention", "use_cost_model"):
+            if not isinstance(getattr(self, switch), bool):
+                raise TvmFusionError(f"{switch} must be true or false, got {getattr(self, switch)!r}")
         if not isinstance(self.max_fusion_depth, int) or self.max_fusion_depth < 1:
             raise TvmFusionError(f"max_fusion_depth must be an integer >= 1, got {self.max_fusion_depth!r}")
         known = set(self.op_classes)
