@@ -7,12 +7,13 @@ Order, and why:
 2. ``CanonicalizeActivations``: exporters spell GELU/SiLU as erf/sigmoid arithmetic; one op fuses
    as an epilogue, five ops with a diamond do not.
 3. ``HorizontalFuse``: sibling GEMMs/convs over one input become one (Q/K/V -> one GEMM + split).
-   ``FuseAttention``: each attention block becomes one ``R.nn.attention`` op (after the QKV
-   merge, which it looks through; before fusion, which would otherwise split the block).
+   ``FuseAttention``: each attention block becomes one ``fused_attention`` function (after the
+   QKV merge, which it looks through; before fusion, which would otherwise split the block).
 4. ``RewriteLayout`` + ``FoldConstant``: NCHW{c}/NHWC per target; weights transformed at compile time.
 5. ``ApplyFusionPolicy``: groups named ops into Primitive functions as the policy decides.
-6. ``LegalizeOps`` (with the target in scope: attention becomes our fused kernel),
-   ``AnnotateTIROpPattern``, ``FoldConstant``, ``FuseTIR``: one PrimFunc per group.
+6. ``LowerAttention``: fused attention (and ``R.nn.attention``) becomes the target's
+   FlashAttention-style kernel (``schedules/attention.py``), already scheduled.
+   ``LegalizeOps``, ``AnnotateTIROpPattern``, ``FoldConstant``, ``FuseTIR``: one PrimFunc per group.
 7. Schedules: constant weights marked layout-free, tuned records (``MetaScheduleApplyDatabase``),
    default (dlight-style) rules for the rest, packed weights folded into constants.
 
@@ -86,7 +87,7 @@ def pipeline_passes(
         HorizontalFuse,
         RewriteLayout,
     )
-    from .schedules import default_schedule_passes, mark_prepackable
+    from .schedules import LowerAttention, default_schedule_passes, mark_prepackable
 
     target = parse_target(target)
     policy = FusionPolicy.coerce(policy)
@@ -108,7 +109,8 @@ def pipeline_passes(
     if fusion:
         passes.append(ApplyFusionPolicy(policy, target))
     passes += [
-        in_target(target, relax.transform.LegalizeOps()),
+        LowerAttention(target),
+        relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseTIR(),

@@ -1,42 +1,43 @@
-"""FuseAttention: scaled-dot-product attention, as exporters write it, becomes one ``R.nn.attention``.
+"""FuseAttention: scaled-dot-product attention, as exporters write it, becomes one fused function.
 
-Exporters spell attention as five to ten ops: ``Q.K^T``, a scale, mask arithmetic, ``softmax``,
-``.V``, with reshape/transpose head split and merge around it. Run op by op, the scores
-(``batch x heads x S_q x S_kv``) are written to memory and read back twice; at long sequences
-that dominates time and memory, and ApplyFusionPolicy will not fuse it (two contractions in one
-group). This pass recognises the block with the Relax pattern language (``relax.dpl``) and
-replaces it by one ``R.nn.attention`` / ``R.nn.attention_bias`` call in BSNH layout, which
-``tvm_fusion.schedules.attention`` lowers to one FlashAttention-style kernel (online softmax, no
-score tensor).
+Exporters spell attention as five to fifteen ops: ``Q.K^T``, scales, mask arithmetic, softmax,
+``.V``, with reshape/transpose head split and merge around them. Run op by op, the scores
+(``batch x heads x S_q x S_kv``) are written to memory and read back twice, which dominates
+time and memory at long sequences; ApplyFusionPolicy will not fuse the block (two contractions
+in one group). This pass finds the blocks with the Relax pattern language (``relax.dpl``) and
+outlines each into one ``Primitive`` function ``fused_attention`` whose attribute
+``"tvm_fusion.attention"`` is an :class:`~tvm_fusion.schedules.attention.AttentionSpec`. Its body
+is the block's own computation, so without further lowering ``LegalizeOps`` + ``FuseTIR`` make
+it one (plain) kernel; ``LowerAttention`` (in ``tvm_fusion.schedules``, part of the pipeline)
+replaces it by the FlashAttention-style kernel for the target, which never materialises the
+scores.
 
-What is matched (``matmul`` operands may be 3-D ``(B*N, S, D)`` or 4-D ``(B, N, S, D)``):
+Matched (``q``, ``k^T``, ``v`` 3-D ``(B*N, S, D)`` or 4-D ``(B, N, S, D)``):
 
-* scores ``matmul(q, kT)``; scalar-constant scales on ``q`` and/or ``kT`` (the torch dynamo SDPA
-  decomposition scales both by ``sqrt(scale)``), and/or one ``multiply``/``divide`` of the scores
-  by a scalar constant (TorchScript: ``/ sqrt(d)``);
-* then up to two mask stages, in any order: ``add`` of a bias that broadcasts to the scores
-  (HF BERT/RoBERTa/DistilBERT's extended mask ``(1 - mask) * finfo.min``, T5's position bias,
-  constant masks), and ``where(causal, scores, fill)`` / ``where(~causal, fill, scores)`` with a
-  constant lower-triangular condition (GPT-2's ``bias`` buffer) and a constant fill ``<= -1e4``;
-  an additive constant that is 0 on and below the diagonal and ``<= -1e4`` above counts as causal;
-* ``softmax`` over the last axis, then ``matmul(probs, v)``, optionally followed by the
-  ``permute_dims`` that merges the heads back.
+* ``matmul(q, k^T)``; scalar-constant scales on ``q`` and/or ``k^T`` (the SDPA decomposition of
+  both torch exporters scales both by ``sqrt(scale)``) and/or one ``multiply``/``divide`` of the
+  scores by a scalar constant (``/ sqrt(d)`` in HF eager attention);
+* up to two mask stages, in any order: ``add`` of a bias broadcasting per key (HF
+  BERT/RoBERTa/DistilBERT's extended mask ``(1 - mask) * finfo.min``, T5's position bias, the
+  SDPA decomposition's ``where(mask4d, 0, finfo.min)``), and ``where(causal, scores, fill)`` /
+  ``where(~causal, fill, scores)`` with a constant lower-triangular condition and a constant
+  fill ``<= -1e4`` (GPT-2 eager). A bias ``where(logical_and(C, m), 0, fill)`` whose constant
+  ``C`` is all true or causal is split into ``where(m, 0, fill)`` (per key, not ``S x S``) plus
+  the causal stage (exact for ``fill = finfo.min`` or ``-inf``: ``s + finfo.min == finfo.min``
+  for ``|s| < 1e31``); a constant additive mask that is 0 on and below the diagonal and
+  ``finfo.min`` / ``-inf`` above becomes the causal stage;
+* ``softmax`` over the last axis, optionally ``where(isnan(p), 0, p)`` (the SDPA decomposition's
+  guard for fully masked rows), then ``matmul(p, v)``.
 
-Transposes around the block are absorbed: ``q``, ``k`` and ``v`` are taken from before the
-exporter's head-split ``permute_dims`` when those compose to BSNH, and the output transpose
-cancels against the op's BSNH result; where they do not compose, a ``permute_dims`` is emitted.
-Relax's own ``R.nn.attention`` is already one op and is left as it is.
+Layout: ``q``, ``k``, ``v`` are taken in BSNH from before the exporter's head-split transposes
+(also through the reshapes to ``(B*N, S, D)`` and back that the SDPA decomposition inserts, and
+single-input concats); the result's head-merge transposes are folded into one (or none).
 
-Causal semantics: masked positions are *excluded* (weight 0), which is what ``where`` with a fill
-``<= -1e4`` computes in float32 (``exp(fill - rowmax)`` underflows to 0; the diagonal is always
-kept, so no row is empty). A row that a bias masks completely behaves as in ONNX Runtime:
-uniform weights when the masked scores are equal (``finfo.min``), NaN when they are ``-inf``.
-
-Blocks are declined, with the reason recorded for ``explain()``, when: the dtype is not
-float32, a shape is symbolic (kernels are specialised on static shapes), softmax runs over
-another axis, an intermediate (scores, probabilities) has another consumer (e.g.
-``output_attentions``), a scale is not a scalar constant or comes after the mask, a bias does not
-broadcast to the scores, or a ``where`` condition is not a constant causal triangle.
+Declined blocks keep their ops, and ``explain()`` says why: dtype not float32, symbolic shapes
+(kernels are specialised on static shapes), softmax over another axis, an intermediate with
+another consumer (e.g. returned attention probabilities), a scale that is not a scalar constant
+or comes after the mask, a bias that does not broadcast per key, a ``where`` that is not a
+constant causal triangle, more than two biases.
 """
 
 from __future__ import annotations
@@ -50,12 +51,13 @@ from tvm import relax, tirx
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
 from ..policy import FusionPolicy
-from ..schedules import attention as _lowering  # noqa: F401  (registers the op's fused kernel)
+from ..schedules.attention import ATTENTION_OPS, MAX_BIASES, SPEC_ATTR, AttentionSpec, fused_attention_spec
 
 ATTR_KEY = "tvm_fusion.fuse_attention"
-MASK_STAGES = 2  # bias adds / causal wheres between the scale and the softmax
-LARGE_NEGATIVE = -1.0e4  # a fill at most this is an exclusion: exp(fill - rowmax) == 0 in float32
-ATTENTION_OPS = ("relax.nn.attention", "relax.nn.attention_bias")
+FUNCTION_NAME = "fused_attention"
+MASK_STAGES = 2  # bias adds / causal wheres between the scores and the softmax
+LARGE_NEGATIVE = -1.0e4  # a where-fill at most this excludes: exp(fill - rowmax) == 0 in float32
+HUGE_NEGATIVE = -1.0e38  # finfo.min-like: s + fill == fill for any realistic score
 
 
 @dataclasses.dataclass
@@ -68,21 +70,24 @@ class AttentionDecision:
     reason: str
 
     def __str__(self) -> str:
-        verdict = "fused" if self.fused else "not fused"
-        return f"attention {self.block}: {verdict} ({self.reason})"
+        return f"attention {self.block}: {'fused' if self.fused else 'not fused'} ({self.reason})"
 
 
 class _Pattern:
-    """The dpl pattern of one attention block with ``stages`` mask stages, and its parts."""
+    """The dpl pattern of an attention block with ``stages`` mask stages."""
 
-    def __init__(self, stages: int, merge_heads: bool):
+    def __init__(self, stages: int):
         self.q, self.k, self.v = wildcard(), wildcard(), wildcard()
         self.scores = is_op("relax.matmul")(self.q, self.k)
         self.scale = is_const()
-        self.scale_mul = is_op("relax.multiply")(self.scores, self.scale)
-        self.scale_rmul = is_op("relax.multiply")(self.scale, self.scores)
-        self.scale_div = is_op("relax.divide")(self.scores, self.scale)
-        x = self.scores | self.scale_mul | self.scale_rmul | self.scale_div
+        self.scales = {
+            "mul": is_op("relax.multiply")(self.scores, self.scale),
+            "rmul": is_op("relax.multiply")(self.scale, self.scores),
+            "div": is_op("relax.divide")(self.scores, self.scale),
+        }
+        x = self.scores
+        for pat in self.scales.values():
+            x = x | pat
         self.stages = []
         for _ in range(stages):
             other, cond = wildcard(), wildcard()
@@ -94,198 +99,302 @@ class _Pattern:
             }
             self.stages.append((stage, other, cond))
             x = stage["add"] | stage["radd"] | stage["keep"] | stage["drop"]
-        self.masked = x
         self.softmax = is_op("relax.nn.softmax")(x)
-        self.context = is_op("relax.matmul")(self.softmax, self.v)
-        self.root = is_op("relax.permute_dims")(self.context) if merge_heads else self.context
+        self.nan_zero = is_const()
+        self.nan_fix = is_op("relax.where")(is_op("relax.isnan")(self.softmax), self.nan_zero, self.softmax)
+        self.context = is_op("relax.matmul")(self.softmax | self.nan_fix, self.v)
 
 
 @dataclasses.dataclass
-class _Block:
-    """A matched block, in the terms the rewrite needs."""
-
+class _Match:
     q: relax.Expr
     k_t: relax.Expr
     v: relax.Expr
     scores: relax.Call
-    softmax: relax.Call
-    context: relax.Call
-    root: relax.Call
-    stages: list  # [(kind, stage call, other operand, condition)], scores side first
     scale_call: relax.Call | None
+    stages: list  # [(kind, call, other, cond)], from the scores to the softmax
+    softmax: relax.Call
+    nan_fix: relax.Call | None
+    context: relax.Call
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A matched block, checked, in the terms the rewrite needs."""
+
+    match: _Match
+    spec: AttentionSpec
+    q: relax.Expr  # BSNH
+    k: relax.Expr
+    v: relax.Expr
+    biases: list
+    keep: np.ndarray | None  # the causal mask, for the reference body
+    rank: int
+    summary: str
 
 
 class _Analysis:
-    """Matching, checking and rewriting of the blocks of one function."""
+    """Matching and checking of the attention blocks of one function (no rewriting)."""
 
     def __init__(self, name: str, func: relax.Function):
         self.name = name
         self.func = func
         self.var2val = relax.analysis.get_var2val(func)
-        self.var_of = {}
-        for var, value in self.var2val.items():
-            self.var_of[value] = var
+        self.var_of = {value: var for var, value in self.var2val.items()}
         self.uses = _count_uses(func)
         self.decisions: dict[str, AttentionDecision] = {}
-
-    # -- matching -------------------------------------------------------------------------
-    def run(self, rewrite: bool) -> relax.Function:
-        func = self.func
+        self.plans: dict[relax.Var, _Plan] = {}  # context var -> plan
         for stages in range(MASK_STAGES, -1, -1):
-            for merge_heads in (True, False):
-                pattern = _Pattern(stages, merge_heads)
-                rewritten = rewrite_call(pattern.root, self._rewriter(pattern, rewrite), func)
-                func = rewritten if rewrite else func
-        return func
+            pattern = _Pattern(stages)
+            rewrite_call(pattern.context, self._collector(pattern), func)
 
-    def _rewriter(self, pattern: _Pattern, rewrite: bool):
-        def rewriter(orig, matchings):
-            block = self._block(pattern, matchings, orig)
-            name = self._name(block.softmax)
-            if name in self.decisions:  # matched before (a longer pattern declined it)
-                return orig
-            result = self._build(block)
-            if isinstance(result, str):
-                self.decisions[name] = AttentionDecision(self.name, name, False, result)
-                return orig
-            expr, summary = result
-            self.decisions[name] = AttentionDecision(self.name, name, True, summary)
-            return expr if rewrite else orig
+    def _collector(self, p: _Pattern):
+        def collect(orig, m):
+            match = self._match(p, m, orig)
+            name = self._name(match.softmax)
+            if name not in self.decisions:
+                plan = self._plan(match)
+                if isinstance(plan, str):
+                    self.decisions[name] = AttentionDecision(self.name, name, False, plan)
+                else:
+                    self.decisions[name] = AttentionDecision(self.name, name, True, plan.summary)
+                    self.plans[self.var_of[orig]] = plan
+            return orig
 
-        return rewriter
+        return collect
 
-    def _block(self, p: _Pattern, m, orig) -> _Block:
+    def _match(self, p: _Pattern, m, orig) -> _Match:
         stages = []
-        for stage, other, cond in reversed(p.stages):
+        for stage, other, cond in p.stages:
             for kind, pat in stage.items():
                 if pat in m:
                     stages.append((kind, m[pat], m[other], m.get(cond)))
                     break
-        scale_call = next((m[s] for s in (p.scale_mul, p.scale_rmul, p.scale_div) if s in m), None)
-        return _Block(
-            m[p.q], m[p.k], m[p.v], m[p.scores], m[p.softmax], m[p.context], orig, stages, scale_call
-        )
+        stages.reverse()  # the innermost stage (next to the scores) first
+        scale_call = next((m[s] for s in p.scales.values() if s in m), None)
+        nan_fix = m[p.nan_fix] if p.nan_fix in m else None
+        return _Match(m[p.q], m[p.k], m[p.v], m[p.scores], scale_call, stages, m[p.softmax], nan_fix, orig)
 
     def _name(self, call) -> str:
         var = self.var_of.get(call)
-        return var.name if var is not None else "softmax"
+        return var.name if var is not None else f"softmax@{id(call)}"
 
-    # -- checks and rewrite ----------------------------------------------------------------
-    def _build(self, blk: _Block):
-        """(replacement expr, summary) or the reason the block is declined."""
-        scores_ty = blk.scores.ty
-        if str(scores_ty.dtype) != "float32":
-            return f"dtype {scores_ty.dtype}: the fused kernel is float32"
-        shapes = {"q": _shape(blk.q), "k^T": _shape(blk.k_t), "v": _shape(blk.v)}
-        for role, shape in shapes.items():
-            if shape is None:
+    # -- checks ---------------------------------------------------------------------------
+    def _plan(self, mt: _Match):
+        """A _Plan, or the reason the block is declined."""
+        if str(mt.scores.ty.dtype) != "float32":
+            return f"dtype {mt.scores.ty.dtype}: the fused kernel is float32"
+        for role, expr in (("q", mt.q), ("k^T", mt.k_t), ("v", mt.v), ("scores", mt.scores)):
+            if _shape(expr) is None:
                 return f"{role} has a symbolic shape; the fused kernel is specialised on static shapes"
-        q_shape, k_shape, v_shape = shapes["q"], shapes["k^T"], shapes["v"]
+        q_shape, k_shape, v_shape = _shape(mt.q), _shape(mt.k_t), _shape(mt.v)
         rank = len(q_shape)
         if rank not in (3, 4) or len(k_shape) != rank or len(v_shape) != rank:
             return f"matmul operands of rank {rank}: expected (B*N, S, D) or (B, N, S, D)"
         if q_shape[:-2] != k_shape[:-2] or q_shape[:-2] != v_shape[:-2]:
-            return f"q, k, v batch dims differ ({q_shape}, {k_shape}, {v_shape}); no broadcast heads"
+            return f"q, k, v batch dims differ ({q_shape}, {k_shape}, {v_shape})"
         seq_q, head_dim, seq_kv, head_dim_v = q_shape[-2], q_shape[-1], k_shape[-1], v_shape[-1]
         if k_shape[-2] != head_dim or v_shape[-2] != seq_kv:
             return "q.k^T.v shapes do not chain"
-        axis = int(blk.softmax.attrs.axis)
+        axis = int(mt.softmax.attrs.axis)
         if axis not in (-1, rank - 1):
-            return f"softmax over axis {axis}, not the key axis ({rank - 1})"
-        inner = [blk.scores, *(s[1] for s in blk.stages), blk.softmax]
-        if blk.scale_call is not None:
-            inner.insert(1, blk.scale_call)
-        if blk.root is not blk.context:
-            inner.append(blk.context)
+            return f"softmax over axis {axis}, not the key axis {rank - 1}"
+        inner = [mt.scores, *(s[1] for s in mt.stages)]
+        if mt.scale_call is not None:
+            inner.append(mt.scale_call)
+        allowed = {self.var_of.get(mt.softmax): 1}
+        if mt.nan_fix is not None:  # p feeds isnan(p) and the where
+            allowed[self.var_of.get(mt.softmax)] = 2
+            inner.append(mt.nan_fix.args[0])
+        inner.append(mt.softmax)
         for call in inner:
             var = self.var_of.get(call)
-            if var is not None and self.uses.get(var, 0) > 1:
+            if var is not None and self.uses.get(var, 0) > allowed.get(var, 1):
                 return f"{var.name} ({call.op.name.removeprefix('relax.')}) has other consumers"
+        if mt.nan_fix is not None and _scalar(mt.nan_fix.args[1]) != 0.0:
+            return "the probabilities' NaN guard does not write 0"
         scale = 1.0
-        if blk.scale_call is not None:
-            const = next(a for a in blk.scale_call.args if isinstance(a, tvm.ir.GenericConst))
-            value = _scalar_value(const)
+        if mt.scale_call is not None:
+            value = _scalar(next(a for a in mt.scale_call.args if _is_const(a)))
             if value is None:
                 return "the score scale is not a scalar constant"
-            scale = 1.0 / value if blk.scale_call.op.name == "relax.divide" else value
-        q, q_scale = self._strip_scale(blk.q)
-        k_t, k_scale = self._strip_scale(blk.k_t)
+            scale = 1.0 / value if mt.scale_call.op.name == "relax.divide" else value
+        q, q_scale = self._strip_scale(mt.q)
+        k_t, k_scale = self._strip_scale(mt.k_t)
         scale *= q_scale * k_scale
         if not math.isfinite(scale) or scale == 0.0:
             return f"score scale {scale}"
-        scores_shape = q_shape[:-1] + [seq_kv]
-        biases, causal = [], None
-        for kind, _call, other, cond in blk.stages:
+        scores_shape = [*q_shape[:-1], seq_kv]
+        biases, causal, before = [], None, 0
+        for kind, _call, other, cond in mt.stages:
             if kind in ("add", "radd"):
-                found = self._causal_additive(other, seq_q, seq_kv)
-                if found is not None:
-                    if causal is not None:
-                        return "two causal masks"
-                    causal = found
-                    continue
-                bias_shape = _shape(other)
-                if bias_shape is None or str(other.ty.dtype) != "float32":
-                    return "the additive mask is not a static float32 tensor"
-                if not _broadcasts(bias_shape, scores_shape):
-                    return f"the additive mask of shape {bias_shape} is not per-key ({scores_shape})"
-                biases.append(other)
+                parts = self._bias_parts(other, seq_q, seq_kv, scores_shape)
+                if isinstance(parts, str):
+                    return parts
+                for part in parts:
+                    if isinstance(part[0], int):  # (offset, fill)
+                        if causal is not None:
+                            return "two causal masks"
+                        causal, before = part, len(biases)
+                    else:
+                        biases.append(part)
                 continue
             found = self._causal_where(kind, cond, other, seq_q, seq_kv)
             if isinstance(found, str):
                 return found
             if causal is not None:
                 return "two causal masks"
-            causal = found
-        causal_mask = None
-        if causal is not None:
-            if causal == 0:
-                causal_mask = "TopLeft"
-            elif causal == abs(seq_q - seq_kv):
-                causal_mask = "BottomRight"
-            else:
-                return f"causal diagonal offset {causal} is neither top-left nor bottom-right aligned"
-        return self._emit(blk, rank, q, k_t, biases, scale, causal_mask, q_shape, seq_kv, head_dim_v)
-
-    def _emit(self, blk, rank, q, k_t, biases, scale, causal_mask, q_shape, seq_kv, head_dim_v):
+            causal, before = found, len(biases)
+        if len(biases) > MAX_BIASES:
+            return f"{len(biases)} additive masks; the kernel takes at most {MAX_BIASES}"
         if rank == 4:
             batch, heads = q_shape[0], q_shape[1]
-            q4 = self._to_bsnh(q, [0, 2, 1, 3])
-            k4 = self._to_bsnh(k_t, [0, 3, 1, 2])
-            v4 = self._to_bsnh(blk.v, [0, 2, 1, 3])
+            views = [self._to_bsnh(q, [0, 2, 1, 3], q_shape), self._to_bsnh(k_t, [0, 3, 1, 2], k_shape),
+                     self._to_bsnh(mt.v, [0, 2, 1, 3], v_shape)]  # fmt: skip
+            bias_shapes = [tuple([1] * (4 - len(shape)) + shape) for _, shape in biases]
         else:  # (B*N, S, D): one head per batch row
             batch, heads = q_shape[0], 1
-            q4 = relax.op.reshape(q, [batch, q_shape[1], 1, q_shape[2]])
-            k4 = relax.op.reshape(self._to_bsnh(k_t, [0, 2, 1]), [batch, seq_kv, 1, q_shape[2]])
-            v4 = relax.op.reshape(blk.v, [batch, seq_kv, 1, head_dim_v])
-        bias = None
-        for extra in biases:
-            extra = _rank4_bias(extra, rank)
-            bias = extra if bias is None else relax.op.add(bias, extra)
-        attn = relax.op.nn.attention(
-            q4, k4, v4, bias, scale=tirx.FloatImm("float32", scale), causal_mask=causal_mask
-        )
-        # attn is (B, S_q, N, Dv); the block's result is the context (B, N, S_q, Dv), or its
-        # permutation when the head-merge transpose was matched too
-        if rank == 4:
-            perm = [0, 2, 1, 3]
-            if blk.root is not blk.context:
-                perm = [perm[a] for a in _axes(blk.root, 4)]
-            out = attn if perm == [0, 1, 2, 3] else relax.op.permute_dims(attn, perm)
-        else:
-            out = relax.op.reshape(attn, [batch, q_shape[1], head_dim_v])
-            if blk.root is not blk.context:
-                out = relax.op.permute_dims(out, _axes(blk.root, 3))
-        parts = [f"scale {scale:.6g}"]
-        if biases:
-            parts.append("additive mask")
-        if causal_mask:
-            parts.append(f"causal {causal_mask}")
-        parts.append(f"{batch}x{heads} heads, S {q_shape[-2]}x{seq_kv}")
-        return out, "R.nn.attention: " + ", ".join(parts)
+            views = [relax.op.reshape(q, [batch, seq_q, 1, head_dim]),
+                     relax.op.reshape(self._to_bsnh(k_t, [0, 2, 1], k_shape), [batch, seq_kv, 1, head_dim]),
+                     relax.op.reshape(mt.v, [batch, seq_kv, 1, head_dim_v])]  # fmt: skip
+            bias_shapes = []
+            for _, shape in biases:
+                padded = [1] * (3 - len(shape)) + shape
+                bias_shapes.append((padded[0], 1, padded[1], padded[2]))
+        offset, fill = causal if causal is not None else (None, -math.inf)
+        spec = AttentionSpec(batch, heads, seq_q, seq_kv, head_dim, head_dim_v, scale, tuple(bias_shapes),
+                             offset, fill, before, mt.nan_fix is not None)  # fmt: skip
+        biases = [
+            b if tuple(shape) == s else relax.op.reshape(b, list(s))
+            for (b, shape), s in zip(biases, bias_shapes)
+        ]
+        keep = None
+        if offset is not None:
+            keep = (np.arange(seq_kv)[None, :] <= np.arange(seq_q)[:, None] + offset).reshape(
+                1, 1, seq_q, seq_kv
+            )
+        return _Plan(mt, spec, *views, biases, keep, rank, spec.describe())
+
+    def _strip_scale(self, expr):
+        """(operand, scale): scalar-constant multiplies producing a matmul operand folded into
+        one score scale (a multiply behind a transpose stays where it is)."""
+        scale = 1.0
+        for _ in range(4):
+            mul = self._call_of(expr, "relax.multiply")
+            if mul is None or sum(_is_const(a) for a in mul.args) != 1:
+                break
+            value = _scalar(next(a for a in mul.args if _is_const(a)))
+            if value is None:
+                break
+            scale *= value
+            expr = next(a for a in mul.args if not _is_const(a))
+        return expr, scale
+
+    def _to_bsnh(self, expr, perm: list[int], shape: list[int]):
+        """``permute_dims(expr, perm)`` (a BSNH tensor), composed with the transposes and
+        batch-merging reshapes that produced ``expr``, so an exporter's head split cancels."""
+        rank = len(perm)
+        logical = list(shape)  # the 4-D (or 3-D) shape ``expr`` is viewed as
+        for _ in range(12):
+            if perm == list(range(rank)) and len(_shape(expr) or []) == rank:
+                return expr
+            value = self._value(expr)
+            if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+                break
+            name = value.op.name
+            src = value.args[0]
+            src_shape = _shape(src)
+            if src_shape is None:
+                break
+            if name == "relax.concat" and isinstance(src, relax.Tuple) and len(src.fields) == 1:
+                expr = src.fields[0]
+                continue
+            if name == "relax.reshape" and _same_view(src_shape, logical):
+                expr = src
+                continue
+            if name == "relax.permute_dims":
+                axes = _axes(value, len(src_shape))
+                if len(src_shape) == rank:
+                    axes_r = axes
+                elif len(src_shape) == rank - 1 and rank == 4 and _same_view(_shape(expr) or [], logical):
+                    axes_r = None  # a 3-D permute of a view: only the leading-unit / merged forms
+                    if logical[0] == 1:
+                        axes_r = [0] + [a + 1 for a in axes]
+                    elif axes[0] == 0:
+                        axes_r = [0, 1] + [a + 1 for a in axes[1:]]
+                    if axes_r is None:
+                        break
+                else:
+                    break
+                new_logical = [0] * rank
+                for i, a in enumerate(axes_r):
+                    new_logical[a] = logical[i]
+                if len(src_shape) != rank and not _same_view(src_shape, new_logical):
+                    break
+                perm = [axes_r[p] for p in perm]
+                logical = new_logical
+                expr = src
+                continue
+            break
+        if len(_shape(expr) or []) != rank:
+            expr = relax.op.reshape(expr, logical)
+        if perm == list(range(rank)):
+            return expr
+        return _permute_or_reshape(expr, perm, logical)
+
+    def _bias_parts(self, other, seq_q, seq_kv, scores_shape):
+        """An additive mask as [bias exprs and (offset, fill) causal stages], or why not."""
+        value = _const_array(other, self.var2val)
+        if value is not None and value.dtype.kind == "f":
+            found = _causal_additive(value, seq_q, seq_kv)
+            if found is not None:
+                return [found]
+        where = self._call_of(other, "relax.where")
+        if where is not None and _scalar(where.args[1]) == 0.0:
+            fill = _scalar(where.args[2])
+            cond = where.args[0]
+            land = self._call_of(cond, "relax.logical_and")
+            if fill is not None and (fill == -math.inf or fill <= HUGE_NEGATIVE) and land is not None:
+                consts = [a for a in land.args if _const_array(a, self.var2val) is not None]
+                if len(consts) == 1:
+                    rest = next(a for a in land.args if not a.same_as(consts[0]))
+                    keep = _const_array(consts[0], self.var2val)
+                    small = relax.op.where(rest, relax.const(0.0, "float32"), relax.const(fill, "float32"))
+                    rest_shape = _shape(rest)
+                    if (
+                        keep.dtype == np.bool_
+                        and rest_shape is not None
+                        and _broadcasts(rest_shape, scores_shape)
+                    ):
+                        if bool(np.all(keep)):
+                            return [(small, rest_shape)]
+                        offset = _tril_offset(keep, seq_q, seq_kv)
+                        if offset is not None:
+                            return [(small, rest_shape), (offset, fill)]
+        shape = _shape(other)
+        if shape is None or str(other.ty.dtype) != "float32":
+            return "the additive mask is not a static float32 tensor"
+        if not _broadcasts(shape, scores_shape):
+            return f"the additive mask of shape {shape} does not broadcast to the scores {scores_shape}"
+        return [(other, shape)]
+
+    def _causal_where(self, kind, cond, fill, seq_q, seq_kv):
+        """(offset, fill) of ``where(keep, x, fill)`` / ``where(drop, fill, x)``, or why not."""
+        cond_value = _const_array(cond, self.var2val)
+        if cond_value is None or cond_value.dtype != np.bool_:
+            return "where with a condition that is not a constant (not a causal mask)"
+        fill_value = _scalar(fill, self.var2val)
+        if fill_value is None or fill_value > LARGE_NEGATIVE:
+            return f"where fills {fill_value}, not a large negative constant (<= {LARGE_NEGATIVE:g})"
+        keep = cond_value if kind == "keep" else ~cond_value
+        offset = _tril_offset(keep, seq_q, seq_kv)
+        if offset is None:
+            return "where with a constant condition that is not a causal (lower-triangular) mask"
+        return offset, fill_value
 
     # -- helpers --------------------------------------------------------------------------
     def _value(self, expr):
-        return self.var2val.get(expr) if isinstance(expr, relax.Var) else expr
+        return self.var2val.get(expr, expr) if isinstance(expr, relax.Var) else expr
 
     def _call_of(self, expr, name):
         value = self._value(expr)
@@ -293,71 +402,8 @@ class _Analysis:
             return value
         return None
 
-    def _strip_scale(self, expr):
-        """(operand, scale): look through scalar-constant multiplies and transposes of a matmul
-        operand, so ``(q * a).(k^T * b)`` becomes scale ``a * b`` on the scores."""
-        scale, perm_chain = 1.0, []
-        current = expr
-        for _ in range(8):
-            mul = self._call_of(current, "relax.multiply")
-            if mul is not None:
-                consts = [a for a in mul.args if isinstance(a, tvm.ir.GenericConst)]
-                value = _scalar_value(consts[0]) if len(consts) == 1 else None
-                if value is not None:
-                    scale *= value
-                    current = next(a for a in mul.args if not isinstance(a, tvm.ir.GenericConst))
-                    continue
-            perm = self._call_of(current, "relax.permute_dims")
-            if perm is not None and scale == 1.0:
-                perm_chain.append(perm)
-                current = perm.args[0]
-                continue
-            break
-        if scale == 1.0:
-            return expr, 1.0
-        for perm in reversed(perm_chain):  # re-apply transposes met above the scale
-            current = relax.op.permute_dims(current, perm.attrs.axes)
-        return current, scale
 
-    def _to_bsnh(self, expr, perm: list[int]):
-        """``permute_dims(expr, perm)``, composed with the permutes that produced ``expr``:
-        an exporter's head-split transpose cancels and the tensor before it is used."""
-        for _ in range(8):
-            if perm == list(range(len(perm))):
-                return expr
-            call = self._call_of(expr, "relax.permute_dims")
-            if call is None:
-                break
-            axes = _axes(call, len(perm))
-            perm = [axes[p] for p in perm]
-            expr = call.args[0]
-        return expr if perm == list(range(len(perm))) else relax.op.permute_dims(expr, perm)
-
-    def _causal_where(self, kind, cond, fill, seq_q, seq_kv):
-        """The causal offset of ``where(keep, x, fill)`` / ``where(drop, fill, x)``, or why not."""
-        cond_value = _const_array(cond, self.var2val)
-        if cond_value is None or cond_value.dtype != np.bool_:
-            return "where with a condition that is not a constant boolean (not a causal mask)"
-        fill_value = _scalar_value(_const_of(fill, self.var2val))
-        if fill_value is None or fill_value > LARGE_NEGATIVE:
-            return f"where fills {fill_value}, not a large negative constant (<= {LARGE_NEGATIVE:g})"
-        keep = cond_value if kind == "keep" else ~cond_value
-        offset = _tril_offset(keep, seq_q, seq_kv)
-        if offset is None:
-            return "where with a constant condition that is not a causal (lower-triangular) mask"
-        return offset
-
-    def _causal_additive(self, other, seq_q, seq_kv):
-        value = _const_array(other, self.var2val)
-        if value is None or value.dtype.kind != "f" or value.ndim < 2 or value.shape[-2:] != (seq_q, seq_kv):
-            return None
-        keep = value == 0
-        if not np.all(keep | (value <= LARGE_NEGATIVE)):
-            return None
-        return _tril_offset(keep, seq_q, seq_kv)
-
-
-# -- small IR helpers ---------------------------------------------------------------------------
+# -- small helpers ------------------------------------------------------------------------------
 def _count_uses(func: relax.Function) -> dict[relax.Var, int]:
     uses: dict[relax.Var, int] = {}
     exprs = [b.value for block in func.body.blocks for b in block.bindings] + [func.body.body]
@@ -368,7 +414,7 @@ def _count_uses(func: relax.Function) -> dict[relax.Var, int]:
 
 
 def _shape(expr) -> list[int] | None:
-    ty = expr.ty
+    ty = getattr(expr, "ty", None)
     if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
         return None
     dims = []
@@ -379,143 +425,155 @@ def _shape(expr) -> list[int] | None:
     return dims
 
 
+def _is_const(expr) -> bool:
+    return isinstance(expr, tvm.ir.GenericConst)
+
+
 def _axes(call: relax.Call, rank: int) -> list[int]:
     axes = call.attrs.axes
     return list(range(rank))[::-1] if axes is None else [int(a) % rank for a in axes]
 
 
+def _same_view(shape: list[int], logical: list[int]) -> bool:
+    """Whether a row-major tensor of ``shape`` is the tensor ``logical`` (same elements in the
+    same order): equal, equal up to leading unit dims, or with the two leading dims merged."""
+    if list(shape) == list(logical):
+        return True
+    strip = lambda s: list(s)[next((i for i, d in enumerate(s) if d != 1), len(s)) :]  # noqa: E731
+    if strip(shape) == strip(logical) and len(shape) != len(logical):
+        return True
+    if len(logical) == 4 and len(shape) == 3:
+        return shape[0] == logical[0] * logical[1] and list(shape[1:]) == list(logical[2:])
+    return False
+
+
+def _permute_or_reshape(expr, perm, shape):
+    """``permute_dims(expr, perm)``, or a free reshape when the permutation only moves unit dims."""
+    moved = [a for a in perm if shape[a] != 1]
+    if moved == sorted(moved):
+        return relax.op.reshape(expr, [shape[a] for a in perm])
+    return relax.op.permute_dims(expr, perm)
+
+
 def _broadcasts(shape: list[int], target: list[int]) -> bool:
-    """``shape`` broadcasts to ``target`` with every dim 1 or equal, and varies over keys only
-    where the target does (the last dims line up)."""
     if len(shape) > len(target):
         return False
     padded = [1] * (len(target) - len(shape)) + list(shape)
-    return all(s in (1, t) for s, t in zip(padded, target))
-
-
-def _rank4_bias(bias, rank: int):
-    shape = _shape(bias)
-    if rank == 3:  # (B*N | 1, S_q | 1, S_kv): the heads are the batch rows
-        padded = [1] * (3 - len(shape)) + shape
-        return relax.op.reshape(bias, [padded[0], 1, padded[1], padded[2]])
-    if len(shape) == 4:
-        return bias
-    return relax.op.reshape(bias, [1] * (4 - len(shape)) + shape)
-
-
-def _const_of(expr, var2val):
-    value = var2val.get(expr, expr) if isinstance(expr, relax.Var) else expr
-    return value if isinstance(value, tvm.ir.GenericConst) else None
+    return all(s in (1, t) for s, t in zip(padded, target)) and padded[-1] == target[-1]
 
 
 def _const_array(expr, var2val) -> np.ndarray | None:
-    const = _const_of(expr, var2val)
-    if const is None:
+    value = var2val.get(expr, expr) if isinstance(expr, relax.Var) else expr
+    if not _is_const(value):
         return None
     try:
-        return const.value.numpy()
+        return value.value.numpy()
     except Exception:  # dtypes numpy cannot hold
         return None
 
 
-def _scalar_value(const) -> float | None:
-    if const is None:
+def _scalar(expr, var2val=None) -> float | None:
+    value = (var2val or {}).get(expr, expr) if isinstance(expr, relax.Var) else expr
+    if not _is_const(value):
         return None
     try:
-        data = const.value.numpy()
+        data = value.value.numpy()
     except Exception:
         return None
-    return float(data.reshape(())) if data.size == 1 and data.dtype.kind == "f" else None
+    if data.size != 1 or data.dtype.kind != "f" or np.any(data.reshape(-1) != data.reshape(-1)[0]):
+        return None
+    return float(data.reshape(-1)[0])
 
 
 def _tril_offset(keep: np.ndarray, seq_q: int, seq_kv: int) -> int | None:
-    """``offset`` when ``keep`` (broadcast to (.., seq_q, seq_kv)) is ``j <= i + offset`` everywhere."""
+    """``offset`` when ``keep`` (broadcast to (.., seq_q, seq_kv)) is ``j <= i + offset``."""
     if keep.ndim < 2 or keep.shape[-2:] != (seq_q, seq_kv) or any(d != 1 for d in keep.shape[:-2]):
         return None
-    keep = keep.reshape(seq_q, seq_kv)
+    keep = keep.reshape(seq_q, seq_kv).astype(bool)
     offset = int(np.count_nonzero(keep[0])) - 1
-    rows = np.arange(seq_q)[:, None]
-    cols = np.arange(seq_kv)[None, :]
-    if offset < 0 or not np.array_equal(keep, cols <= rows + offset):
+    if offset < 0 or not np.array_equal(
+        keep, np.arange(seq_kv)[None, :] <= np.arange(seq_q)[:, None] + offset
+    ):
         return None
     return offset
 
 
+def _causal_additive(value: np.ndarray, seq_q: int, seq_kv: int):
+    """(offset, fill) for a constant mask that is 0 on and below the diagonal and one huge
+    negative value (finfo.min-like or -inf) above it: adding it equals masking with that fill."""
+    if value.ndim < 2 or value.shape[-2:] != (seq_q, seq_kv):
+        return None
+    keep = value == 0
+    masked = value[~keep]
+    if masked.size == 0 or not np.all(masked == masked.reshape(-1)[0]):
+        return None
+    fill = float(masked.reshape(-1)[0])
+    if not (fill == -math.inf or fill <= HUGE_NEGATIVE):
+        return None
+    offset = _tril_offset(keep, seq_q, seq_kv)
+    return None if offset is None else (offset, fill)
+
+
 # -- unmatched candidates, for explain() --------------------------------------------------------
-_SCALE_OPS = ("relax.multiply", "relax.divide")
-_STAGE_OPS = ("relax.add", "relax.where")
-
-
 def _unmatched_reason(analysis: _Analysis, softmax: relax.Call) -> str | None:
-    """Why the pattern did not match at a softmax that looks like attention (its input comes
-    from a matmul through elementwise ops and its result feeds a matmul), or None if it does not."""
+    """Why no pattern matched at a softmax that looks like attention (its input comes from a
+    matmul through elementwise ops), or None when it does not look like attention."""
     steps, expr = [], softmax.args[0]
-    for _ in range(8):
+    for _ in range(10):
         value = analysis._value(expr)
         if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
             return None
-        name = value.op.name
-        if name == "relax.matmul":
+        if value.op.name == "relax.matmul":
             break
-        steps.append(name)
-        tensors = [a for a in value.args if not isinstance(a, tvm.ir.GenericConst)]
-        scored = [a for a in tensors if _traces_to_matmul(analysis, a)]
-        if not scored:
+        steps.append(value.op.name.removeprefix("relax."))
+        operands = [a for a in value.args if not _is_const(a) and _shape(a) is not None]
+        if not operands:
             return None
-        expr = scored[0]
+        expr = max(operands, key=lambda a: int(np.prod(_shape(a))))  # the scores are the largest
     else:
         return None
-    steps.reverse()  # from the scores to the softmax
+    steps.reverse()
+    allowed = {"add", "where"}
     for i, name in enumerate(steps):
-        if name in _SCALE_OPS and i == 0:
-            continue
-        if name in _STAGE_OPS:
-            continue
-        if name in _SCALE_OPS:
-            return f"the scores are scaled ({name.removeprefix('relax.')}) after the mask"
-        return f"the scores pass through {name.removeprefix('relax.')}, which the pattern does not accept"
-    if len([s for s in steps if s in _STAGE_OPS]) > MASK_STAGES:
+        if name in ("multiply", "divide"):
+            if i == 0:
+                continue
+            return f"the scores are scaled ({name}) after the mask"
+        if name not in allowed:
+            return f"the scores pass through {name}, which the pattern does not accept"
+    if len(steps) - (steps[:1] in (["multiply"], ["divide"])) > MASK_STAGES:
         return f"more than {MASK_STAGES} mask stages between the scores and the softmax"
-    return "the block does not match the attention pattern (see FuseAttention's docstring)"
-
-
-def _traces_to_matmul(analysis: _Analysis, expr, depth: int = 8) -> bool:
-    for _ in range(depth):
-        value = analysis._value(expr)
-        if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
-            return False
-        if value.op.name == "relax.matmul":
-            return True
-        tensors = [a for a in value.args if not isinstance(a, tvm.ir.GenericConst)]
-        if not tensors:
-            return False
-        expr = (
-            tensors[0]
-            if len(tensors) == 1
-            else next((a for a in tensors if _traces_to_matmul(analysis, a, depth - 1)), tensors[0])
-        )
-    return False
+    return "the probabilities do not feed matmul(p, v) directly"
 
 
 def _softmax_feeding_matmul(analysis: _Analysis):
-    consumers: dict = {}
-    for var, value in analysis.var2val.items():
+    """Softmax calls whose result (or its NaN guard) is the left operand of a matmul."""
+    lhs = set()
+    for value in analysis.var2val.values():
         if (
             isinstance(value, relax.Call)
             and isinstance(value.op, tvm.ir.Op)
             and value.op.name == "relax.matmul"
         ):
-            arg = value.args[0]
-            if isinstance(arg, relax.Var):
-                consumers[arg] = var
+            lhs.add(value.args[0])
     for var, value in analysis.var2val.items():
         if (
             isinstance(value, relax.Call)
             and isinstance(value.op, tvm.ir.Op)
             and value.op.name == "relax.nn.softmax"
-            and var in consumers
         ):
-            yield var, value
+            users = [v for v, val in analysis.var2val.items() if var in relax.analysis.free_vars(val)]
+            if (
+                var in lhs
+                or any(u in lhs for u in users)
+                or any(
+                    u2 in lhs
+                    for u in users
+                    for u2, v2 in analysis.var2val.items()
+                    if u in relax.analysis.free_vars(v2)
+                )
+            ):
+                yield var, value
 
 
 def _functions(mod: tvm.IRModule):
@@ -537,15 +595,18 @@ def attention_decisions(
     for gvar, func in _functions(mod):
         analysis = _Analysis(gvar.name_hint, func)
         for var, value in analysis.var2val.items():
-            if (
-                isinstance(value, relax.Call)
-                and isinstance(value.op, tvm.ir.Op)
-                and value.op.name in ATTENTION_OPS
-            ):
+            if not isinstance(value, relax.Call):
+                continue
+            if isinstance(value.op, tvm.ir.Op) and value.op.name in ATTENTION_OPS:
                 decisions.append(
                     AttentionDecision(gvar.name_hint, var.name, True, f"one op already ({value.op.name})")
                 )
-        analysis.run(rewrite=False)
+            elif isinstance(value.op, relax.GlobalVar) and value.op in mod.functions:
+                spec = fused_attention_spec(mod[value.op])
+                if spec is not None:
+                    decisions.append(
+                        AttentionDecision(gvar.name_hint, var.name, True, f"{value.op.name_hint}")
+                    )
         found = dict(analysis.decisions)
         for var, softmax in _softmax_feeding_matmul(analysis):
             if var.name not in found:
@@ -560,14 +621,116 @@ def attention_decisions(
     return decisions
 
 
+# -- the rewrite --------------------------------------------------------------------------------
+def _reference_function(plan: _Plan) -> relax.Function:
+    """``fused_attention(q, k, v, *biases[, keep])``: the spec computed with plain ops, so that
+    LegalizeOps + FuseTIR give one (unscheduled) kernel where LowerAttention has none."""
+    spec = plan.spec
+    f32 = "float32"
+    params = [
+        relax.Var("q", relax.TensorType((spec.batch, spec.seq_q, spec.heads, spec.head_dim), f32)),
+        relax.Var("k", relax.TensorType((spec.batch, spec.seq_kv, spec.heads, spec.head_dim), f32)),
+        relax.Var("v", relax.TensorType((spec.batch, spec.seq_kv, spec.heads, spec.head_dim_v), f32)),
+    ]
+    params += [relax.Var(f"bias{i}", relax.TensorType(s, f32)) for i, s in enumerate(spec.bias_shapes)]
+    if spec.causal_offset is not None:
+        params.append(relax.Var("keep", relax.TensorType((1, 1, spec.seq_q, spec.seq_kv), "bool")))
+    bb = relax.BlockBuilder()
+    attrs = {"Primitive": True, SPEC_ATTR: spec.to_json()}
+    with bb.function(FUNCTION_NAME, params, attrs, private=True):
+        with bb.dataflow():
+            q, k, v = params[:3]
+            qh = bb.emit(relax.op.permute_dims(q, [0, 2, 1, 3]))
+            kt = bb.emit(relax.op.permute_dims(k, [0, 2, 3, 1]))
+            vh = bb.emit(relax.op.permute_dims(v, [0, 2, 1, 3]))
+            s = bb.emit(relax.op.matmul(qh, kt))
+            s = bb.emit(relax.op.multiply(s, relax.const(spec.scale, f32)))
+            biases = params[3 : 3 + len(spec.bias_shapes)]
+            n_before = spec.biases_before_causal if spec.causal_offset is not None else len(biases)
+            for b in biases[:n_before]:
+                s = bb.emit(relax.op.add(s, b))
+            if spec.causal_offset is not None:
+                s = bb.emit(relax.op.where(params[-1], s, relax.const(spec.causal_fill, f32)))
+            for b in biases[n_before:]:
+                s = bb.emit(relax.op.add(s, b))
+            p = bb.emit(relax.op.nn.softmax(s, axis=-1))
+            if spec.nan_to_zero:
+                p = bb.emit(relax.op.where(relax.op.isnan(p), relax.const(0.0, f32), p))
+            o = bb.emit(relax.op.matmul(p, vh))
+            out = bb.emit_output(relax.op.permute_dims(o, [0, 2, 1, 3]))
+        bb.emit_func_output(out)
+    return bb.get()[FUNCTION_NAME]
+
+
+@relax.expr_functor.mutator
+class _Rewriter(relax.PyExprMutator):
+    """Each planned block's context binding becomes a call of its ``fused_attention`` function
+    (transposed back to the block's layout); head-merge transposes / identity reshapes of that
+    result are folded into one permutation (none when they cancel)."""
+
+    def __init__(self, mod: tvm.IRModule, plans: dict):
+        super().__init__(mod)
+        self.plans = plans
+        self.tracked: dict = {}  # var -> (attention output var, perm): var == permute_dims(out, perm)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        plan = self.plans.get(binding.var)
+        if plan is not None:
+            self._emit_fused(binding.var, plan)
+            return
+        folded = self._fold(binding)
+        if folded is not None:
+            value, entry = folded
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(value)))
+            self.tracked[binding.var] = entry
+            return
+        super().visit_var_binding_(binding)
+
+    def _emit_fused(self, var, plan: _Plan) -> None:
+        gvar = self.builder_.add_func(_reference_function(plan), FUNCTION_NAME)
+        args = [self.visit_expr(e) for e in (plan.q, plan.k, plan.v, *plan.biases)]
+        if plan.keep is not None:
+            args.append(relax.const(plan.keep))
+        out = self.builder_.emit(relax.Call(gvar, args), "attention")
+        spec = plan.spec
+        if plan.rank == 4:  # out is (B, S_q, N, Dv); the context was (B, N, S_q, Dv)
+            perm = [0, 2, 1, 3]
+            value = _permute_or_reshape(out, perm, [spec.batch, spec.seq_q, spec.heads, spec.head_dim_v])
+            self.tracked[var] = (out, perm)
+        else:
+            value = relax.op.reshape(out, [spec.batch, spec.seq_q, spec.head_dim_v])
+        self.builder_.emit_normalized(relax.VarBinding(var, self.builder_.normalize(value)))
+
+    def _fold(self, binding):
+        value = binding.value
+        if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+            return None
+        src = value.args[0]
+        if isinstance(src, relax.Tuple) and value.op.name == "relax.concat" and len(src.fields) == 1:
+            src = src.fields[0]
+        elif value.op.name == "relax.concat":
+            return None
+        if not isinstance(src, relax.Var) or src not in self.tracked:
+            return None
+        out, perm = self.tracked[src]
+        if value.op.name == "relax.permute_dims":
+            perm = [perm[a] for a in _axes(value, len(perm))]
+        elif value.op.name not in ("relax.reshape", "relax.concat") or _shape(binding.var) != _shape(src):
+            return None
+        out_shape = _shape(out)
+        if perm == list(range(len(perm))):
+            return out, (out, perm)
+        return _permute_or_reshape(out, perm, out_shape), (out, perm)
+
+
 @tvm.transform.module_pass(opt_level=0, name="FuseAttention")
 class FuseAttention:
-    """Rewrite each scaled-dot-product attention block into one ``R.nn.attention(_bias)`` call.
+    """Outline each scaled-dot-product attention block into one ``fused_attention`` function.
 
     Run it after ``FoldConstant`` (scales, masks and causal triangles must be constants) and
-    before ``LegalizeOps``; ``tvm_fusion.schedules`` lowers the op to one fused kernel on LLVM
-    and CUDA (TVM's own legalization elsewhere). Blocks it declines keep their ops; the reasons
-    are in ``self.decisions`` and in :func:`tvm_fusion.explain`. The module attribute
+    before fusion and ``LegalizeOps``; ``tvm_fusion.schedules.LowerAttention`` then swaps in the
+    fused kernel (the pipeline does both). Blocks it declines keep their ops; the reasons are in
+    ``self.decisions`` and in :func:`tvm_fusion.explain`. The module attribute
     ``"tvm_fusion.fuse_attention"`` counts the blocks fused (accumulated over runs).
 
     Parameters
@@ -584,33 +747,25 @@ class FuseAttention:
         self.decisions = []
         if not self.enabled:
             return mod
-        updates = {}
-        for gvar, func in _functions(mod):
+        plans = {}
+        functions = list(_functions(mod))
+        for gvar, func in functions:
             analysis = _Analysis(gvar.name_hint, func)
-            new_func = analysis.run(rewrite=True)
             self.decisions += analysis.decisions.values()
-            if any(d.fused for d in analysis.decisions.values()):
-                updates[gvar] = new_func
-        if not updates:
+            plans.update(analysis.plans)
+        if not plans:
             return mod
-        mod = tvm.IRModule(dict(mod.functions.items()), attrs=mod.attrs)  # never edit the caller's module
-        for gvar, func in updates.items():
-            mod[gvar] = func
-        fused = sum(d.fused for d in self.decisions)
+        rewriter = _Rewriter(mod, plans)
+        for gvar, func in functions:
+            new_func = rewriter.visit_expr(func)
+            rewriter.builder_.update_func(gvar, new_func)
+        new_mod = rewriter.builder_.get()
         previous = int(mod.attrs[ATTR_KEY]) if mod.attrs is not None and ATTR_KEY in mod.attrs else 0
-        mod = mod.with_attr(ATTR_KEY, previous + fused)
-        return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(mod))
+        new_mod = new_mod.with_attr(ATTR_KEY, previous + len(plans))
+        new_mod = relax.transform.CanonicalizeBindings()(relax.transform.Normalize()(new_mod))
+        return relax.transform.DeadCodeElimination()(new_mod)
 
 
 def count_fused_attention(mod: tvm.IRModule) -> int:
-    """Attention ops in ``mod``'s (non-primitive) functions."""
-    count = 0
-    for _, func in _functions(mod):
-        for value in relax.analysis.get_var2val(func).values():
-            if (
-                isinstance(value, relax.Call)
-                and isinstance(value.op, tvm.ir.Op)
-                and value.op.name in ATTENTION_OPS
-            ):
-                count += 1
-    return count
+    """Attention blocks that are one op or one fused function in ``mod``."""
+    return sum(d.fused for d in attention_decisions(mod))

@@ -6,10 +6,11 @@ compile time: it marks constant PrimFunc arguments layout-free, schedules, split
 blocks into their own PrimFuncs and folds them into new constants (weights must be bound
 ``relax.Constant``s, as ``from_onnx(keep_params_in_input=False)`` gives).
 
-Importing this package also registers the fused attention kernels as the legalization of
-``relax.nn.attention(_bias)`` on LLVM and CUDA (``attention.py``: FlashAttention-style, complete
-schedules marked ``tirx.is_scheduled``, so the rules below skip them), and a float32
-``relax.nn.gelu`` legalization that uses the
+Fused attention (``FuseAttention``'s functions and ``R.nn.attention``) gets its own kernels
+(``attention.py``: FlashAttention-style, complete schedules marked ``tirx.is_scheduled``, so the
+rules below skip them), put in by the ``LowerAttention`` pass before ``LegalizeOps``.
+
+Importing this package also registers a float32 ``relax.nn.gelu`` legalization that uses the
 vectorizable ``topi.fast_erf`` instead of scalar ``erff`` (see ``fast_gelu.py``; switch it off
 with ``set_fast_gelu(False)``, ``with fast_gelu(False):`` or ``TVM_FUSION_FAST_GELU=0``).
 """
@@ -21,7 +22,7 @@ from tvm import relax
 from tvm.s_tir import dlight as dl
 
 from ..targets import is_gpu
-from .attention import attention_kernel  # registers the fused attention legalization
+from .attention import LowerAttention, attention_kernel
 from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, cpu_rules
 from .fast_gelu import fast_gelu, fast_gelu_enabled, set_fast_gelu  # registers the GELU legalization
 
@@ -89,8 +90,9 @@ def apply_default_schedules(target, prepack: bool = True) -> tvm.transform.Pass:
 
 
 __all__ = [
-    "attention_kernel",
     "Contraction",
+    "LowerAttention",
+    "attention_kernel",
     "Injective",
     "ParallelFallback",
     "RowReduction",

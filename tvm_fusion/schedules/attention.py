@@ -1,54 +1,67 @@
-"""Fused attention kernels (FlashAttention-style) for ``R.nn.attention`` / ``R.nn.attention_bias``.
+"""Fused attention kernels (FlashAttention-style) and ``LowerAttention``, the pass that uses them.
 
-TVM legalizes ``R.nn.attention`` into one TE kernel that still materialises the scores twice
-(``batch x heads x S_q x S_kv`` for ``Q.K^T`` and again for the softmax). The kernels here never
-do: each task owns a tile of query rows of one head and walks the keys/values in tiles, keeping
-a running row max ``m``, a running sum ``l`` and the output accumulator (rescaled by
-``exp(m_old - m_new)`` whenever the max grows), the *online softmax* of FlashAttention. The
-largest buffer a task touches is its ``q_tile x kv_tile`` score tile.
+Run op by op, attention writes the scores (``batch x heads x S_q x S_kv``) to memory and reads
+them back twice. The kernels here never materialise them: each task owns a tile of queries of
+one head and walks the keys/values in tiles, keeping a running row max ``m``, a running sum
+``l`` and the output accumulator, rescaled by ``exp(m_old - m_new)`` when the max grows (the
+*online softmax* of FlashAttention). The largest buffer a task touches is its score tile.
 
-CPU (:func:`cpu_attention_kernel`): parallel over ``batch x heads x query tiles``; ``Q.K^T`` is a
-register tile (rows x SIMD vectors over keys, the reduction over the head dim inside) on a
-transposed copy of K packed once per head; ``P.V`` a register tile over the head dim; the
-exponential is a vectorizable polynomial (``exp`` is a scalar libm call per lane in LLVM).
-Tile sizes come from the target's vector width and register count (:func:`cpu_tiles`).
+CPU (:func:`cpu_attention_kernel`): parallel over ``batch x heads x query tiles``. Scores are
+kept transposed (``[keys, queries]``) so the softmax statistics are SIMD over queries with no
+horizontal reductions; ``K.Q^T`` is a register tile (keys x query vectors) on Q^T packed once per
+head, ``P.V`` a register tile over the head dim; ``exp`` is a vectorizable polynomial (LLVM
+calls scalar ``expf`` per lane otherwise). Tiles come from the target's vector width and
+register count (:func:`cpu_tiles`). Causal tiles above the diagonal are skipped when that is
+exact (see ``AttentionSpec``).
 
-CUDA (:func:`cuda_attention_kernel`): one thread block per query tile of one head; K/V tiles,
-scores, the accumulator and the softmax state in shared memory.
+CUDA (:func:`cuda_attention_kernel`): one thread block per query tile of one head; Q, K/V tiles,
+scores, accumulator and softmax state in shared memory. It is written so that binding the
+threads to serial loops gives the same computation on the CPU (``emulate=True``, for tests).
 
-Both kernels are complete schedules and carry ``tirx.is_scheduled``, so the default schedule
-rules (and Meta-Schedule task extraction) leave them alone.
+Both are complete schedules marked ``tirx.is_scheduled``: the default rules and Meta-Schedule
+task extraction leave them alone.
 
-Semantics, identical to TVM's own legalization and to the ONNX graphs FuseAttention matches:
-``softmax(Q.K^T * scale + bias)`` over the keys, causal positions (``j > i + offset``) excluded.
-A row whose scores are all equal gets uniform weights (so a padding mask of ``finfo.min``
-gives the mean of V, as ONNX Runtime computes it); a row whose scores are all ``-inf`` gives
-NaN (0 / 0), as softmax over ``-inf`` does in ONNX Runtime.
-
-Importing this module registers the legalization (:func:`legalize_attention`) in front of
-TVM's: float32, static shapes, LLVM or CUDA target in scope; anything else keeps TVM's.
+:class:`LowerAttention` replaces, for an LLVM or CUDA target, every call of a ``fused_attention``
+function (made by ``FuseAttention``, carrying an ``AttentionSpec``) and every
+``R.nn.attention`` / ``R.nn.attention_bias`` call with a ``call_tir`` of the kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
+import tvm
 from tvm import relax, tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
-from ..legalize import override_legalization
 from ._util import num_cores, num_vector_registers, vector_lanes
 
-KERNEL_ATTR = "tvm_fusion.kernel"
+SPEC_ATTR = "tvm_fusion.attention"
 KERNEL_NAME = "flash_attention"
 FLOAT32_LOWEST = -3.4028234663852886e38
+EXP_ZERO_BELOW = -87.0  # _fast_exp(x) is exactly 0 for x below this
+MAX_BIASES = 2
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionShape:
-    """Everything a kernel is specialised on (R.nn.attention's BSNH layout)."""
+class AttentionSpec:
+    """What a fused attention kernel computes (inputs in BSNH layout, as ``R.nn.attention``)::
+
+        score = Q.K^T * scale
+        score += bias_i                              for the biases before the causal mask
+        score = j <= i + causal_offset ? score : causal_fill          (if causal)
+        score += bias_i                              for the biases after it
+        out = softmax(score, keys) . V               (NaN rows -> 0 with nan_to_zero)
+
+    ``causal_fill = -inf`` excludes masked keys. Key tiles wholly above the diagonal are
+    skipped when their weights are exactly 0: always for ``-inf``, otherwise once every row of
+    the query tile has a max above ``causal_fill + max(biases after) - EXP_ZERO_BELOW``; a row
+    whose scores are all equal to the fill (fully masked) still sees every key, so its
+    (uniform) weights are what the unfused graph computes.
+    """
 
     batch: int
     heads: int
@@ -57,48 +70,72 @@ class AttentionShape:
     head_dim: int
     head_dim_v: int
     scale: float
-    causal_offset: int | None = None  # key j is kept for query i when j <= i + causal_offset
-    bias_shape: tuple[int, ...] | None = None  # 4-D, broadcast to (batch, heads, seq_q, seq_kv)
+    bias_shapes: tuple = ()  # 4-D shapes broadcast to (batch, heads, seq_q, seq_kv)
+    causal_offset: int | None = None
+    causal_fill: float = -math.inf
+    biases_before_causal: int = 0
+    nan_to_zero: bool = False
     dtype: str = "float32"
 
+    def __post_init__(self):
+        want = (self.batch, self.heads, self.seq_q, self.seq_kv)
+        for shape in self.bias_shapes:
+            if (
+                len(shape) != 4
+                or shape[-1] != self.seq_kv
+                or any(s not in (1, w) for s, w in zip(shape, want))
+            ):
+                raise ValueError(f"bias shape {shape} does not broadcast per key to {want}")
+
+    # -- (de)serialisation: a fused_attention function carries its spec as a JSON attribute
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["bias_shapes"] = [list(s) for s in self.bias_shapes]
+        data["causal_fill"] = repr(float(self.causal_fill))
+        return json.dumps(data, sort_keys=True)
+
     @classmethod
-    def from_call(cls, call: relax.Call) -> AttentionShape | None:
-        """The shape of an ``R.nn.attention(_bias)`` call, or None when it is not static 4-D."""
+    def from_json(cls, text: str) -> AttentionSpec:
+        data = json.loads(text)
+        data["bias_shapes"] = tuple(tuple(s) for s in data["bias_shapes"])
+        data["causal_fill"] = float(data["causal_fill"])
+        return cls(**data)
+
+    def describe(self) -> str:
+        parts = [f"scale {self.scale:.6g}"]
+        if self.bias_shapes:
+            parts.append("additive mask " + ", ".join("x".join(map(str, s)) for s in self.bias_shapes))
+        if self.causal_offset is not None:
+            parts.append(f"causal (offset {self.causal_offset}, masked = {self.causal_fill:g})")
+        if self.nan_to_zero:
+            parts.append("NaN rows -> 0")
+        parts.append(f"{self.batch}x{self.heads} heads, S {self.seq_q}x{self.seq_kv}, d {self.head_dim}")
+        return ", ".join(parts)
+
+    @classmethod
+    def from_attention_op(cls, call: relax.Call) -> AttentionSpec | None:
+        """The spec of an ``R.nn.attention(_bias)`` call (causal keys excluded, as TVM's own
+        legalization does), or None when it is not static 4-D."""
         args = list(call.args)
         shapes = [_static_shape(a) for a in args]
-        if any(s is None for s in shapes) or any(len(s) != 4 for s in shapes):
+        if any(s is None or len(s) != 4 for s in shapes):
             return None
         (b, sq, n, d), (bk, skv, nk, dk), (bv, sv, nv, dv) = shapes[:3]
         if (bk, nk, dk) != (b, n, d) or (bv, sv, nv) != (b, skv, n):
             return None
         dtypes = {str(a.ty.dtype) for a in args}
-        if len(dtypes) != 1:
-            return None
         attrs = call.attrs
-        if getattr(attrs, "window_size", None) is not None:
+        if len(dtypes) != 1 or getattr(attrs, "window_size", None) is not None:
             return None
-        scale = attrs.scale
-        scale = 1.0 / math.sqrt(d) if scale is None else float(scale.value)
-        causal = attrs.causal_mask
-        offset = None
-        if causal == "TopLeft":
-            offset = 0
-        elif causal == "BottomRight":
-            offset = abs(sq - skv)  # as TVM's legalization defines it
-        elif causal is not None:
+        scale = 1.0 / math.sqrt(d) if attrs.scale is None else float(attrs.scale.value)
+        offsets = {None: None, "TopLeft": 0, "BottomRight": abs(sq - skv)}  # as TVM defines them
+        if attrs.causal_mask not in offsets:
             return None
-        bias_shape = None
-        if len(args) == 4:
-            bias_shape = tuple(shapes[3])
-            want = (b, n, sq, skv)
-            if bias_shape[-1] != skv or any(x not in (1, w) for x, w in zip(bias_shape, want)):
-                return None
-        return cls(b, n, sq, skv, d, dv, scale, offset, bias_shape, dtypes.pop())
-
-    @property
-    def score_elements(self) -> int:
-        """Elements of the score tensor the unfused computation materialises."""
-        return self.batch * self.heads * self.seq_q * self.seq_kv
+        try:
+            return cls(b, n, sq, skv, d, dv, scale, tuple(tuple(s) for s in shapes[3:]),
+                       offsets[attrs.causal_mask], dtype=dtypes.pop())  # fmt: skip
+        except ValueError:
+            return None
 
 
 def _static_shape(expr) -> list[int] | None:
@@ -113,7 +150,22 @@ def _static_shape(expr) -> list[int] | None:
     return dims
 
 
-# -- CPU -----------------------------------------------------------------------------------------
+def _f32(value: float):
+    return tirx.const(value, "float32")
+
+
+def _n_diag_tiles(spec: AttentionSpec, q0, q_tile: int, kv_tile: int, ragged_q: bool):
+    """Key tiles holding a key some query of the tile [q0, q0 + q_tile) keeps."""
+    last = T.min(q0 + q_tile, spec.seq_q) - 1 if ragged_q else q0 + q_tile - 1
+    n_tiles = -(-spec.seq_kv // kv_tile)
+    return T.min(T.max((last + spec.causal_offset) // kv_tile + 1, 1), n_tiles)
+
+
+def _skips_exactly(spec: AttentionSpec) -> bool:
+    return spec.causal_offset is not None and spec.causal_fill == -math.inf
+
+
+# -- CPU ------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class CpuTiles:
     """Tiling of the CPU kernel. Scores are kept transposed, ``[keys, queries]``, so the softmax
@@ -144,100 +196,200 @@ def _register_tile(regs: int, lanes: int, width_ok) -> tuple[int, int]:
     return best[0], best[1]
 
 
-def cpu_tiles(shape: AttentionShape, target: Target) -> CpuTiles:
+def cpu_tiles(spec: AttentionSpec, target: Target) -> CpuTiles:
     """Tile sizes from the target's SIMD width and register count (no machine constants):
     register tiles as large as the register file allows, tiles of about 64 queries/keys (the
-    score, accumulator and K/V tiles then stay in L1)."""
-    lanes = vector_lanes(target, shape.dtype)
+    score, accumulator and K/V tiles then stay in L1), smaller query tiles when there would be
+    too few tasks for the cores."""
+    lanes = vector_lanes(target, spec.dtype)
     regs = num_vector_registers(target)
     qk_rows, qk_vectors = _register_tile(regs, lanes, lambda w: w <= 64)
     qk_cols = qk_vectors * lanes
-    dv = shape.head_dim_v
+    dv = spec.head_dim_v
     pv_rows, pv_vectors = _register_tile(regs, lanes, lambda w: dv % w == 0)
     pv_cols = pv_vectors * lanes
     if dv % pv_cols:  # head dim not a multiple of the lanes: one vector loop over all of it
         pv_cols, pv_rows = dv, max(1, min(8, (regs - 2) * lanes // max(dv, 1)))
     step = math.lcm(qk_cols, pv_rows)
     q_tile = step * max(1, round(64 / step))
-    # enough tasks for every core: smaller query tiles on small problems
-    while q_tile > step and _tasks(shape, q_tile) < 4 * num_cores(target):
+    while q_tile > step and spec.batch * spec.heads * -(-spec.seq_q // q_tile) < 4 * num_cores(target):
         q_tile -= step
     kv_tile = qk_rows * max(1, round(64 / qk_rows))
     return CpuTiles(q_tile, kv_tile, qk_rows, qk_cols, pv_rows, pv_cols, lanes)
 
 
-def _tasks(shape: AttentionShape, q_tile: int) -> int:
-    return shape.batch * shape.heads * -(-shape.seq_q // q_tile)
-
-
 def _fast_exp(x):
     """exp(x) for float32 x <= 0 as a polynomial (Cephes, as ``topi.fast_exp``; relative error
-    ~1e-7), vectorizable (LLVM calls scalar ``expf`` per lane for ``exp``); exactly 0 below -87,
-    so ``exp(-inf) = 0`` and a row of ``-inf`` sums to 0."""
-    f32 = "float32"
-    clamped = T.max(x, tirx.const(-87.0, f32))
-    n = T.floor(clamped * tirx.const(1.44269504088896341, f32) + tirx.const(0.5, f32))
-    r = clamped - n * tirx.const(0.6931471805599453, f32)
-    poly = tirx.const(1.9875691500e-4, f32)
+    ~1e-7), vectorizable; exactly 0 below -87, so ``exp(-inf) = 0`` and a row of ``-inf`` sums
+    to 0 (softmax then gives 0 / 0 = NaN, as it does unfused)."""
+    clamped = T.max(x, _f32(EXP_ZERO_BELOW))
+    n = T.floor(clamped * _f32(1.44269504088896341) + _f32(0.5))
+    r = clamped - n * _f32(0.6931471805599453)
+    poly = _f32(1.9875691500e-4)
     for coef in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        poly = poly * r + tirx.const(coef, f32)
-    poly = poly * r * r + r + tirx.const(1.0, f32)
-    two_n = T.reinterpret(f32, T.shift_left(T.Cast("int32", n + tirx.const(127.0, f32)), 23))
-    return T.Select(x < tirx.const(-87.0, f32), tirx.const(0.0, f32), two_n * poly)
+        poly = poly * r + _f32(coef)
+    poly = poly * r * r + r + _f32(1.0)
+    two_n = T.reinterpret("float32", T.shift_left(T.Cast("int32", n + _f32(127.0)), 23))
+    return T.Select(x < _f32(EXP_ZERO_BELOW), _f32(0.0), two_n * poly)
 
 
-def cpu_attention_kernel(shape: AttentionShape, target: Target, tiles: CpuTiles | None = None):
-    """The scheduled CPU PrimFunc ``(q, k, v[, bias], out)`` for ``shape``."""
-    tiles = tiles or cpu_tiles(shape, target)
-    B, N, Sq, Skv = shape.batch, shape.heads, shape.seq_q, shape.seq_kv
-    D, Dv, dtype = shape.head_dim, shape.head_dim_v, shape.dtype
+def _bias_index(shape, b, n, i, j):
+    return (b if shape[0] > 1 else 0, n if shape[1] > 1 else 0, i if shape[2] > 1 else 0, j)
+
+
+def cpu_attention_kernel(spec: AttentionSpec, target: Target, tiles: CpuTiles | None = None):
+    """The scheduled CPU PrimFunc ``(q, k, v, *biases, out)`` computing ``spec``."""
+    tiles = tiles or cpu_tiles(spec, target)
+    B, N, Sq, Skv = spec.batch, spec.heads, spec.seq_q, spec.seq_kv
+    D, Dv, dtype = spec.head_dim, spec.head_dim_v, spec.dtype
     Tq, Tk, L = tiles.q_tile, tiles.kv_tile, tiles.lanes
     R1, W1, R2, W2 = tiles.qk_rows, tiles.qk_cols, tiles.pv_rows, tiles.pv_cols
     QT, KT = -(-Sq // Tq), -(-Skv // Tk)
     Sq_pad, Skv_pad = QT * Tq, KT * Tk
     ragged_q, ragged_kv = Sq % Tq != 0, Skv % Tk != 0
-    has_bias = shape.bias_shape is not None
-    Bb, Nb, Sb, _ = shape.bias_shape or (1, 1, 1, 1)
-    # a bias that varies over queries is read transposed ([key, query]), one that does not is
-    # read per key; either is repacked when keys are padded (-inf past the last key)
-    bias_t_shape = (Bb, Nb, Skv_pad, Sq_pad if Sb > 1 else 1)
-    pack_bias = has_bias and (Sb > 1 or ragged_kv)
-    causal = shape.causal_offset is not None
-    off = shape.causal_offset or 0
-    scale = tirx.const(shape.scale, dtype)
-    neg_inf = tirx.const(-math.inf, dtype)
-    lowest = tirx.const(FLOAT32_LOWEST, dtype)
-    zero = tirx.const(0.0, dtype)
     NV = Tq // L  # query vectors per tile (softmax statistics)
-    # P.V columns as whole SIMD vectors where the head dim allows (LLVM splits odd-width vectors badly)
-    VW2 = L if W2 % L == 0 else W2
+    VW2 = L if W2 % L == 0 else W2  # P.V columns as whole SIMD vectors where the head dim allows
     NW2 = W2 // VW2
+    causal = spec.causal_offset is not None
+    off = spec.causal_offset or 0
+    n_before = spec.biases_before_causal if causal else len(spec.bias_shapes)
+    # a bias that varies over queries is read transposed ([key, query], repacked once); one that
+    # does not is read per key (repacked only when the keys are padded)
+    packed = [s[2] > 1 or ragged_kv for s in spec.bias_shapes]
+    packed_shapes = [(s[0], s[1], Skv_pad, Sq_pad if s[2] > 1 else 1) for s in spec.bias_shapes]
+    # exact tile skipping with a finite fill needs the largest bias added after the mask
+    dynamic_skip = causal and not _skips_exactly(spec)
+    n_bias = len(spec.bias_shapes)
+    n_after = n_bias - n_before
 
-    def n_kv_tiles(q0):
-        if not causal:
-            return KT
-        last = T.min(q0 + Tq, Sq) - 1 if ragged_q else q0 + Tq - 1
-        return T.min(T.max((last + off) // Tk + 1, 1), KT)
+    def pack_shape(k):
+        return packed_shapes[k] if k < n_bias and packed[k] else (1,)
 
-    def bias_at(bias, bias_t, b, n, i, j):
-        bb, nb = (b if Bb > 1 else 0), (n if Nb > 1 else 0)
-        if pack_bias:
-            return bias_t[bb, nb, j, i if Sb > 1 else 0]
-        return bias[bb, nb, 0, j]
+    scale, neg_inf, lowest, zero = _f32(spec.scale), _f32(-math.inf), _f32(FLOAT32_LOWEST), _f32(0.0)
 
-    def finish_score(acc, bias, bias_t, b, n, i, j):
-        """acc * scale (+ bias), masked: what softmax sees for query i, key j."""
+    def read_bias(biases, packs, k, b, n, i, j):
+        shape = spec.bias_shapes[k]
+        if packed[k]:
+            return packs[k][b if shape[0] > 1 else 0, n if shape[1] > 1 else 0, j, i if shape[2] > 1 else 0]
+        return biases[k][_bias_index(shape, b, n, i, j)]
+
+    def score(acc, biases, packs, b, n, i, j):
+        """What softmax sees for query i, key j (acc = q_i . k_j)."""
         val = acc * scale
-        if has_bias:
-            val = val + bias_at(bias, bias_t, b, n, i, j)
+        for k in range(n_before):
+            val = val + read_bias(biases, packs, k, b, n, i, j)
         if causal:
-            val = T.Select(j <= i + off, val, neg_inf)
-        if ragged_kv and not pack_bias:  # (a packed bias carries -inf past the last key)
+            val = T.Select(j <= i + off, val, _f32(spec.causal_fill))
+        for k in range(n_before, len(spec.bias_shapes)):
+            val = val + read_bias(biases, packs, k, b, n, i, j)
+        if ragged_kv:
             val = T.Select(j < Skv, val, neg_inf)
         return val
 
+    def finish(val):
+        return T.Select(T.isnan(val), zero, val) if spec.nan_to_zero else val
+
+    def skip_threshold(bias_max):
+        return _f32(spec.causal_fill) + bias_max[0] - _f32(EXP_ZERO_BELOW)
+
+    def n_tiles(q0):
+        if causal and not dynamic_skip:
+            return _n_diag_tiles(spec, q0, Tq, Tk, ragged_q)
+        return KT
+
+    def tile_needed(kv, q0, skip):
+        if not dynamic_skip:
+            return True
+        return tirx.Or(kv < _n_diag_tiles(spec, q0, Tq, Tk, ragged_q), skip[0] == 0)
+
     @T.macro
-    def body(q, k, v, bias, out):
+    def kv_step(
+        q_t, k_p, v_p, biases, packs, m, l_sum, alpha, stat, acc, s_t, s_reg, o_reg, b, n, qt, q0, kv
+    ):
+        k0 = kv * Tk
+        # S^T = K.Q^T: register tiles of (keys x query vectors), reduction inside
+        for jo, io in T.grid(Tk // R1, Tq // W1):
+            for jj in T.unroll(R1):
+                for iv in T.unroll(W1 // L):
+                    for il in T.vectorized(L):
+                        s_reg[jj, iv * L + il] = zero
+            for d in range(D):
+                for jj in T.unroll(R1):
+                    for iv in T.unroll(W1 // L):
+                        for il in T.vectorized(L):
+                            s_reg[jj, iv * L + il] = (
+                                s_reg[jj, iv * L + il]
+                                + k_p[b, n, k0 + jo * R1 + jj, d] * q_t[b, n, qt, d, io * W1 + iv * L + il]
+                            )
+            for jj in T.unroll(R1):
+                for iv in T.unroll(W1 // L):
+                    for il in T.vectorized(L):
+                        s_t[jo * R1 + jj, io * W1 + iv * L + il] = score(
+                            s_reg[jj, iv * L + il],
+                            biases,
+                            packs,
+                            b,
+                            n,
+                            q0 + io * W1 + iv * L + il,
+                            k0 + jo * R1 + jj,
+                        )
+        # online softmax, SIMD over queries: new max, rescale factor, exp, running sum
+        for iv in T.unroll(NV):
+            for il in T.vectorized(L):
+                stat[iv, il] = m[iv * L + il]
+        for j in range(Tk):
+            for iv in T.unroll(NV):
+                for il in T.vectorized(L):
+                    stat[iv, il] = T.max(stat[iv, il], s_t[j, iv * L + il])
+        for iv in T.unroll(NV):
+            for il in T.vectorized(L):
+                alpha[iv * L + il] = _fast_exp(m[iv * L + il] - stat[iv, il])
+                m[iv * L + il] = stat[iv, il]
+                stat[iv, il] = zero
+        for j in range(Tk):
+            for iv in T.unroll(NV):
+                for il in T.vectorized(L):
+                    s_t[j, iv * L + il] = _fast_exp(s_t[j, iv * L + il] - m[iv * L + il])
+                    stat[iv, il] = stat[iv, il] + s_t[j, iv * L + il]
+        for iv in T.unroll(NV):
+            for il in T.vectorized(L):
+                l_sum[iv * L + il] = l_sum[iv * L + il] * alpha[iv * L + il] + stat[iv, il]
+        # acc = acc * alpha + P.V: register tiles of (queries x head-dim vectors)
+        for io, dc in T.grid(Tq // R2, Dv // W2):
+            for ii in T.unroll(R2):
+                for dv in T.unroll(NW2):
+                    for dd in T.vectorized(VW2):
+                        o_reg[ii, dv * VW2 + dd] = (
+                            acc[io * R2 + ii, dc * W2 + dv * VW2 + dd] * alpha[io * R2 + ii]
+                        )
+            for j in range(Tk):
+                for ii in T.unroll(R2):
+                    for dv in T.unroll(NW2):
+                        for dd in T.vectorized(VW2):
+                            o_reg[ii, dv * VW2 + dd] = (
+                                o_reg[ii, dv * VW2 + dd]
+                                + s_t[j, io * R2 + ii] * v_p[b, n, k0 + j, dc * W2 + dv * VW2 + dd]
+                            )
+            for ii in T.unroll(R2):
+                for dv in T.unroll(NW2):
+                    for dd in T.vectorized(VW2):
+                        acc[io * R2 + ii, dc * W2 + dv * VW2 + dd] = o_reg[ii, dv * VW2 + dd]
+
+    @T.macro
+    def bias_pack(bias, pack, shape, pshape):
+        # [key, query] (or [key]) with zeros past the last key (the score masks those keys)
+        for bb, nb, j, i in T.grid(pshape[0], pshape[1], pshape[2], pshape[3]):
+            pack[bb, nb, j, i] = T.if_then_else(
+                j < Skv, bias[bb, nb, T.min(i, shape[2] - 1), T.min(j, Skv - 1)], zero
+            )
+
+    @T.macro
+    def reduce_max(bias, shape, bias_max):
+        for bb, nb, i, j in T.grid(shape[0], shape[1], shape[2], shape[3]):
+            bias_max[0] = T.max(bias_max[0], bias[bb, nb, i, j])
+
+    @T.macro
+    def body(q, k, v, biases, out):
         # Q^T (per query tile), K and V repacked once per head: contiguous tiles (BSNH rows of
         # one head are heads apart), zero past the last query/key so no tile needs a bound
         q_t = T.sblock_alloc_buffer((B, N, QT, D, Tq), dtype)
@@ -261,18 +413,30 @@ def cpu_attention_kernel(shape: AttentionShape, target: Target, tiles: CpuTiles 
                         k_p[bn // N, bn % N, Skv + j, d] = zero
                     for d in T.vectorized(Dv):
                         v_p[bn // N, bn % N, Skv + j, d] = zero
-        bias_t = T.sblock_alloc_buffer(bias_t_shape if pack_bias else (1,), dtype)
-        if pack_bias:
-            for bn in T.parallel(Bb * Nb):
-                with T.sblock("pack_bias"):
-                    T.reads()
-                    T.writes()
-                    for j, i in T.grid(Skv_pad, bias_t_shape[3]):
-                        bias_t[bn // Nb, bn % Nb, j, i] = T.if_then_else(
-                            j < Skv,
-                            bias[bn // Nb, bn % Nb, T.min(i, Sb - 1), T.min(j, Skv - 1)],
-                            neg_inf,
-                        )
+        pack0 = T.sblock_alloc_buffer(pack_shape(0), dtype)
+        pack1 = T.sblock_alloc_buffer(pack_shape(1), dtype)
+        packs = [pack0, pack1]
+        if n_bias > 0 and packed[0]:
+            with T.sblock("pack_bias0"):
+                T.reads()
+                T.writes()
+                bias_pack(biases[0], pack0, spec.bias_shapes[0], packed_shapes[0])
+        if n_bias > 1 and packed[1]:
+            with T.sblock("pack_bias1"):
+                T.reads()
+                T.writes()
+                bias_pack(biases[1], pack1, spec.bias_shapes[1], packed_shapes[1])
+        bias_max = T.sblock_alloc_buffer((1,), dtype)
+        with T.sblock("bias_max"):
+            T.reads()
+            T.writes()
+            bias_max[0] = zero
+            if dynamic_skip and n_after > 0:
+                bias_max[0] = lowest
+                if n_before == 0:
+                    reduce_max(biases[0], spec.bias_shapes[0], bias_max)
+                if n_bias > 1:
+                    reduce_max(biases[1], spec.bias_shapes[1], bias_max)
         for task in T.parallel(B * N * QT):
             with T.sblock("task"):
                 T.reads()
@@ -285,153 +449,343 @@ def cpu_attention_kernel(shape: AttentionShape, target: Target, tiles: CpuTiles 
                 s_t = T.sblock_alloc_buffer((Tk, Tq), dtype, scope="local")
                 s_reg = T.sblock_alloc_buffer((R1, W1), dtype, scope="local")
                 o_reg = T.sblock_alloc_buffer((R2, W2), dtype, scope="local")
+                skip = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 b = task // (N * QT)
                 n = task // QT % N
                 qt = task % QT
                 q0 = qt * Tq
+                skip[0] = 0
                 for i in T.vectorized(Tq):
                     m[i] = lowest
                     l_sum[i] = zero
                 for i in range(Tq):
                     for d in T.vectorized(Dv):
                         acc[i, d] = zero
-                for kv in range(n_kv_tiles(q0)):
-                    k0 = kv * Tk
-                    # S^T = K.Q^T: register tiles of (keys x query vectors), reduction inside
-                    for jo, io in T.grid(Tk // R1, Tq // W1):
-                        for jj in T.unroll(R1):
-                            for iv in T.unroll(W1 // L):
-                                for il in T.vectorized(L):
-                                    s_reg[jj, iv * L + il] = zero
-                        for d in range(D):
-                            for jj in T.unroll(R1):
-                                for iv in T.unroll(W1 // L):
-                                    for il in T.vectorized(L):
-                                        s_reg[jj, iv * L + il] = (
-                                            s_reg[jj, iv * L + il]
-                                            + k_p[b, n, k0 + jo * R1 + jj, d]
-                                            * q_t[b, n, qt, d, io * W1 + iv * L + il]
-                                        )
-                        for jj in T.unroll(R1):
-                            for iv in T.unroll(W1 // L):
-                                for il in T.vectorized(L):
-                                    s_t[jo * R1 + jj, io * W1 + iv * L + il] = finish_score(
-                                        s_reg[jj, iv * L + il],
-                                        bias,
-                                        bias_t,
-                                        b,
-                                        n,
-                                        q0 + io * W1 + iv * L + il,
-                                        k0 + jo * R1 + jj,
-                                    )
-                    # online softmax, SIMD over queries: new max, rescale factor, exp, running sum
-                    for iv in T.unroll(NV):
-                        for il in T.vectorized(L):
-                            stat[iv, il] = m[iv * L + il]
-                    for j in range(Tk):
-                        for iv in T.unroll(NV):
-                            for il in T.vectorized(L):
-                                stat[iv, il] = T.max(stat[iv, il], s_t[j, iv * L + il])
-                    for iv in T.unroll(NV):
-                        for il in T.vectorized(L):
-                            alpha[iv * L + il] = _fast_exp(m[iv * L + il] - stat[iv, il])
-                            m[iv * L + il] = stat[iv, il]
-                            stat[iv, il] = zero
-                    for j in range(Tk):
-                        for iv in T.unroll(NV):
-                            for il in T.vectorized(L):
-                                s_t[j, iv * L + il] = _fast_exp(s_t[j, iv * L + il] - m[iv * L + il])
-                                stat[iv, il] = stat[iv, il] + s_t[j, iv * L + il]
-                    for iv in T.unroll(NV):
-                        for il in T.vectorized(L):
-                            l_sum[iv * L + il] = l_sum[iv * L + il] * alpha[iv * L + il] + stat[iv, il]
-                    # acc = acc * alpha + P.V: register tiles of (queries x head-dim vectors)
-                    for io, dc in T.grid(Tq // R2, Dv // W2):
-                        for ii in T.unroll(R2):
-                            for dv in T.unroll(NW2):
-                                for dd in T.vectorized(VW2):
-                                    o_reg[ii, dv * VW2 + dd] = (
-                                        acc[io * R2 + ii, dc * W2 + dv * VW2 + dd] * alpha[io * R2 + ii]
-                                    )
-                        for j in range(Tk):
-                            for ii in T.unroll(R2):
-                                for dv in T.unroll(NW2):
-                                    for dd in T.vectorized(VW2):
-                                        o_reg[ii, dv * VW2 + dd] = (
-                                            o_reg[ii, dv * VW2 + dd]
-                                            + s_t[j, io * R2 + ii]
-                                            * v_p[b, n, k0 + j, dc * W2 + dv * VW2 + dd]
-                                        )
-                        for ii in T.unroll(R2):
-                            for dv in T.unroll(NW2):
-                                for dd in T.vectorized(VW2):
-                                    acc[io * R2 + ii, dc * W2 + dv * VW2 + dd] = o_reg[ii, dv * VW2 + dd]
+                for kv in range(n_tiles(q0)):
+                    if tile_needed(kv, q0, skip):
+                        kv_step(q_t, k_p, v_p, biases, packs, m, l_sum, alpha, stat, acc, s_t, s_reg, o_reg,
+                                b, n, qt, q0, kv)  # fmt: skip
+                    if dynamic_skip:
+                        if kv == _n_diag_tiles(spec, q0, Tq, Tk, ragged_q) - 1:
+                            skip[0] = 1
+                            for i in range(Tq):
+                                if m[i] <= skip_threshold(bias_max):
+                                    skip[0] = 0
                 for i in range(Tq):
                     if not ragged_q or q0 + i < Sq:
                         for d in T.vectorized(Dv):
-                            out[b, q0 + i, n, d] = acc[i, d] / l_sum[i]
+                            out[b, q0 + i, n, d] = finish(acc[i, d] / l_sum[i])
 
+    return _wrap(spec, body, "cpu")
+
+
+def _wrap(spec: AttentionSpec, body, kind: str):
+    """The PrimFunc around ``body`` with one parameter per bias (TVMScript signatures are fixed)."""
+    B, N, Sq, Skv, D, Dv, dtype = (spec.batch, spec.heads, spec.seq_q, spec.seq_kv, spec.head_dim,
+                                   spec.head_dim_v, spec.dtype)  # fmt: skip
     q_shape, k_shape, v_shape, o_shape = (B, Sq, N, D), (B, Skv, N, D), (B, Skv, N, Dv), (B, Sq, N, Dv)
-    attrs = {"tirx.is_scheduled": True, "tirx.noalias": True, KERNEL_ATTR: KERNEL_NAME}
-    if has_bias:
+    attrs = {"tirx.is_scheduled": True, "tirx.noalias": True, SPEC_ATTR: spec.to_json()}
+    bias_shapes = spec.bias_shapes
+    if len(bias_shapes) == 0:
 
         @T.prim_func(private=True, s_tir=True)
-        def attention_bias(
+        def flash_attention(
             q: T.Buffer(q_shape, dtype),
             k: T.Buffer(k_shape, dtype),
             v: T.Buffer(v_shape, dtype),
-            bias: T.Buffer(shape.bias_shape, dtype),
             out: T.Buffer(o_shape, dtype),
         ):
             T.func_attr(attrs)
-            body(q, k, v, bias, out)
+            body(q, k, v, [], out)
 
-        return attention_bias
+    elif len(bias_shapes) == 1:
 
-    @T.prim_func(private=True, s_tir=True)
-    def attention(
-        q: T.Buffer(q_shape, dtype),
-        k: T.Buffer(k_shape, dtype),
-        v: T.Buffer(v_shape, dtype),
-        out: T.Buffer(o_shape, dtype),
-    ):
-        T.func_attr(attrs)
-        body(q, k, v, None, out)
+        @T.prim_func(private=True, s_tir=True)
+        def flash_attention(
+            q: T.Buffer(q_shape, dtype),
+            k: T.Buffer(k_shape, dtype),
+            v: T.Buffer(v_shape, dtype),
+            bias0: T.Buffer(bias_shapes[0], dtype),
+            out: T.Buffer(o_shape, dtype),
+        ):
+            T.func_attr(attrs)
+            body(q, k, v, [bias0], out)
 
-    return attention
+    elif len(bias_shapes) == 2:
+
+        @T.prim_func(private=True, s_tir=True)
+        def flash_attention(
+            q: T.Buffer(q_shape, dtype),
+            k: T.Buffer(k_shape, dtype),
+            v: T.Buffer(v_shape, dtype),
+            bias0: T.Buffer(bias_shapes[0], dtype),
+            bias1: T.Buffer(bias_shapes[1], dtype),
+            out: T.Buffer(o_shape, dtype),
+        ):
+            T.func_attr(attrs)
+            body(q, k, v, [bias0, bias1], out)
+
+    else:
+        raise ValueError(f"at most {MAX_BIASES} biases, got {len(bias_shapes)}")
+    return flash_attention
 
 
-def cuda_attention_kernel(shape: AttentionShape, target: Target):
-    return None
+# -- CUDA -----------------------------------------------------------------------------------------
+def cuda_attention_kernel(spec: AttentionSpec, target: Target | None = None, emulate: bool = False):
+    """The CUDA PrimFunc ``(q, k, v, *biases, out)`` computing ``spec``: one thread block per
+    query tile of one head, 128 threads, tiles in shared memory (under 48 KiB). With
+    ``emulate=True`` blocks and threads are serial loops and shared memory is global: the same
+    computation, runnable on the CPU (tests check the kernel's indexing there)."""
+    B, N, Sq, Skv = spec.batch, spec.heads, spec.seq_q, spec.seq_kv
+    D, Dv, dtype = spec.head_dim, spec.head_dim_v, spec.dtype
+    NT = 128
+    Tq = Tk = 32
+    while Tq > 8 and 4 * (Tq * D + Tk * D + Tk * Dv + 2 * Tq * Tk + Tq * Dv + 3 * Tq) > 48 * 1024:
+        Tq, Tk = Tq // 2, Tk // 2
+    QT, KT = -(-Sq // Tq), -(-Skv // Tk)
+    ragged_q = Sq % Tq != 0
+    causal = spec.causal_offset is not None
+    off = spec.causal_offset or 0
+    n_before = spec.biases_before_causal if causal else len(spec.bias_shapes)
+    shared = "global" if emulate else "shared"
+    neg_inf, lowest, zero = _f32(-math.inf), _f32(FLOAT32_LOWEST), _f32(0.0)
+
+    def blocks(extent):
+        return T.serial(extent) if emulate else T.thread_binding(extent, thread="blockIdx.x")
+
+    def threads():
+        return T.serial(NT) if emulate else T.thread_binding(NT, thread="threadIdx.x")
+
+    def score(acc, biases, b, n, i, j):
+        val = acc * _f32(spec.scale)
+        for kb in range(n_before):
+            val = val + biases[kb][_bias_index(spec.bias_shapes[kb], b, n, i, j)]
+        if causal:
+            val = T.Select(j <= i + off, val, _f32(spec.causal_fill))
+        for kb in range(n_before, len(spec.bias_shapes)):
+            val = val + biases[kb][_bias_index(spec.bias_shapes[kb], b, n, i, j)]
+        return val
+
+    def finish(val):
+        return T.Select(T.isnan(val), zero, val) if spec.nan_to_zero else val
+
+    def n_tiles(q0):
+        return _n_diag_tiles(spec, q0, Tq, Tk, ragged_q) if _skips_exactly(spec) else KT
+
+    def steps(total):
+        return -(-total // NT)
+
+    def inside(e, total):
+        return True if total % NT == 0 else e < total
+
+    @T.macro
+    def body(q, k, v, biases, out):
+        for task in blocks(B * N * QT):
+            with T.sblock("tile"):
+                T.reads()
+                T.writes()
+                q_s = T.sblock_alloc_buffer((Tq, D), dtype, scope=shared)
+                k_s = T.sblock_alloc_buffer((Tk, D), dtype, scope=shared)
+                v_s = T.sblock_alloc_buffer((Tk, Dv), dtype, scope=shared)
+                s_s = T.sblock_alloc_buffer((Tq, Tk), dtype, scope=shared)
+                p_s = T.sblock_alloc_buffer((Tq, Tk), dtype, scope=shared)
+                acc = T.sblock_alloc_buffer((Tq, Dv), dtype, scope=shared)
+                m = T.sblock_alloc_buffer((Tq,), dtype, scope=shared)
+                l_sum = T.sblock_alloc_buffer((Tq,), dtype, scope=shared)
+                alpha = T.sblock_alloc_buffer((Tq,), dtype, scope=shared)
+                reg = T.sblock_alloc_buffer((2,), dtype, scope="local")  # per thread
+                b = task // (N * QT)
+                n = task // QT % N
+                q0 = task % QT * Tq
+                for t in threads():
+                    for e0 in range(steps(Tq * D)):
+                        if inside(e0 * NT + t, Tq * D):
+                            q_s[(e0 * NT + t) // D, (e0 * NT + t) % D] = T.if_then_else(
+                                q0 + (e0 * NT + t) // D < Sq,
+                                q[b, T.min(q0 + (e0 * NT + t) // D, Sq - 1), n, (e0 * NT + t) % D],
+                                zero,
+                            )
+                    for e0 in range(steps(Tq * Dv)):
+                        if inside(e0 * NT + t, Tq * Dv):
+                            acc[(e0 * NT + t) // Dv, (e0 * NT + t) % Dv] = zero
+                    for e0 in range(steps(Tq)):
+                        if inside(e0 * NT + t, Tq):
+                            m[e0 * NT + t] = lowest
+                            l_sum[e0 * NT + t] = zero
+                for kv in range(n_tiles(q0)):
+                    for t in threads():
+                        for e0 in range(steps(Tk * D)):
+                            if inside(e0 * NT + t, Tk * D):
+                                k_s[(e0 * NT + t) // D, (e0 * NT + t) % D] = T.if_then_else(
+                                    kv * Tk + (e0 * NT + t) // D < Skv,
+                                    k[b, T.min(kv * Tk + (e0 * NT + t) // D, Skv - 1), n, (e0 * NT + t) % D],
+                                    zero,
+                                )
+                        for e0 in range(steps(Tk * Dv)):
+                            if inside(e0 * NT + t, Tk * Dv):
+                                v_s[(e0 * NT + t) // Dv, (e0 * NT + t) % Dv] = T.if_then_else(
+                                    kv * Tk + (e0 * NT + t) // Dv < Skv,
+                                    v[
+                                        b,
+                                        T.min(kv * Tk + (e0 * NT + t) // Dv, Skv - 1),
+                                        n,
+                                        (e0 * NT + t) % Dv,
+                                    ],
+                                    zero,
+                                )
+                    for t in threads():
+                        for e0 in range(steps(Tq * Tk)):
+                            if inside(e0 * NT + t, Tq * Tk):
+                                reg[0] = zero
+                                for d in range(D):
+                                    reg[0] = reg[0] + q_s[(e0 * NT + t) // Tk, d] * k_s[(e0 * NT + t) % Tk, d]
+                                s_s[(e0 * NT + t) // Tk, (e0 * NT + t) % Tk] = T.if_then_else(
+                                    kv * Tk + (e0 * NT + t) % Tk < Skv,
+                                    score(
+                                        reg[0],
+                                        biases,
+                                        b,
+                                        n,
+                                        T.min(q0 + (e0 * NT + t) // Tk, Sq - 1),
+                                        T.min(kv * Tk + (e0 * NT + t) % Tk, Skv - 1),
+                                    ),
+                                    neg_inf,
+                                )
+                    for t in threads():
+                        for e0 in range(steps(Tq)):
+                            if inside(e0 * NT + t, Tq):
+                                reg[0] = m[e0 * NT + t]  # the new row max
+                                for j in range(Tk):
+                                    reg[0] = T.max(reg[0], s_s[e0 * NT + t, j])
+                                reg[1] = l_sum[e0 * NT + t] * T.exp(m[e0 * NT + t] - reg[0])  # the new sum
+                                for j in range(Tk):
+                                    p_s[e0 * NT + t, j] = T.exp(s_s[e0 * NT + t, j] - reg[0])
+                                    reg[1] = reg[1] + p_s[e0 * NT + t, j]
+                                alpha[e0 * NT + t] = T.exp(m[e0 * NT + t] - reg[0])
+                                m[e0 * NT + t] = reg[0]
+                                l_sum[e0 * NT + t] = reg[1]
+                    for t in threads():
+                        for e0 in range(steps(Tq * Dv)):
+                            if inside(e0 * NT + t, Tq * Dv):
+                                reg[0] = (
+                                    acc[(e0 * NT + t) // Dv, (e0 * NT + t) % Dv] * alpha[(e0 * NT + t) // Dv]
+                                )
+                                for j in range(Tk):
+                                    reg[0] = (
+                                        reg[0]
+                                        + T.exp(s_s[(e0 * NT + t) // Dv, j] - m[(e0 * NT + t) // Dv])
+                                        * v_s[j, (e0 * NT + t) % Dv]
+                                    )
+                                acc[(e0 * NT + t) // Dv, (e0 * NT + t) % Dv] = reg[0]
+                for t in threads():
+                    for e0 in range(steps(Tq * Dv)):
+                        if inside(e0 * NT + t, Tq * Dv):
+                            if q0 + (e0 * NT + t) // Dv < Sq:
+                                out[b, q0 + (e0 * NT + t) // Dv, n, (e0 * NT + t) % Dv] = finish(
+                                    acc[(e0 * NT + t) // Dv, (e0 * NT + t) % Dv] / l_sum[(e0 * NT + t) // Dv]
+                                )
+
+    return _wrap(spec, body, "cuda")
 
 
-# -- legalization -------------------------------------------------------------------------------
-def attention_kernel(shape: AttentionShape, target: Target):
-    """The fused kernel for ``shape`` on ``target``, or None when there is none (TVM's
-    legalization is used then)."""
-    if shape.dtype != "float32":
+def attention_kernel(spec: AttentionSpec, target: Target):
+    """The fused kernel for ``spec`` on ``target``, or None when there is none."""
+    if spec.dtype != "float32" or len(spec.bias_shapes) > MAX_BIASES:
         return None
     kind = target.kind.name
     if kind == "llvm":
-        return cpu_attention_kernel(shape, target)
+        return cpu_attention_kernel(spec, target)
     if kind == "cuda":
-        return cuda_attention_kernel(shape, target)
+        return cuda_attention_kernel(spec, target)
     return None
 
 
-def legalize_attention(bb: relax.BlockBuilder, call: relax.Call):
-    """``call_tir`` of the fused kernel for an ``R.nn.attention(_bias)`` call; None (TVM's
-    legalization) without a target in scope, for symbolic shapes or other dtypes."""
-    target = Target.current(allow_none=True)
-    shape = AttentionShape.from_call(call)
-    if target is None or shape is None:
-        return None
-    func = attention_kernel(shape, target)
-    if func is None:
-        return None
-    gvar = bb.add_func(func, KERNEL_NAME)
-    return relax.op.call_tir(gvar, relax.Tuple(list(call.args)), call.ty)
+# -- the lowering pass -----------------------------------------------------------------------------
+ATTENTION_OPS = ("relax.nn.attention", "relax.nn.attention_bias")
 
 
-override_legalization("relax.nn.attention", legalize_attention)
-override_legalization("relax.nn.attention_bias", legalize_attention)
+def fused_attention_spec(func) -> AttentionSpec | None:
+    """The spec a ``fused_attention`` Relax function (made by FuseAttention) carries."""
+    if not isinstance(func, relax.Function) or func.attrs is None or SPEC_ATTR not in func.attrs.keys():
+        return None
+    return AttentionSpec.from_json(str(func.attrs[SPEC_ATTR]))
+
+
+@tvm.transform.module_pass(opt_level=0, name="LowerAttention")
+class LowerAttention:
+    """Replace fused attention (``fused_attention`` functions and ``R.nn.attention(_bias)``) by
+    ``call_tir`` of the scheduled kernel for ``target``; anything without a kernel (other targets,
+    symbolic shapes, other dtypes) is left for ``LegalizeOps`` (one fused kernel per
+    ``fused_attention`` after FuseTIR, TVM's own legalization for the ops).
+
+    Parameters
+    ----------
+    target : Target | str | dict | None
+        None: the target in scope (``with target:``).
+    """
+
+    def __init__(self, target=None):
+        self.target = target
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = self.target
+        if target is not None and not isinstance(target, Target):
+            from ..targets import parse_target
+
+            target = parse_target(target)
+        target = target or Target.current(allow_none=True)
+        if target is None:
+            return mod
+        builder = relax.BlockBuilder(mod)
+        updates = {}
+        for gvar, func in mod.functions.items():
+            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+                continue
+            new_func = _lower_calls(func, mod, builder, target)
+            if new_func is not None:
+                updates[gvar] = new_func
+        if not updates:
+            return mod
+        new_mod = builder.get()
+        for gvar, func in updates.items():
+            new_mod[gvar] = func
+        return relax.transform.DeadCodeElimination()(new_mod)
+
+
+def _lower_calls(func, mod, builder, target):
+    blocks, changed = [], False
+    for block in func.body.blocks:
+        bindings = []
+        for binding in block.bindings:
+            lowered = _lower(binding, mod, builder, target) if isinstance(binding, relax.VarBinding) else None
+            if lowered is not None:
+                binding, changed = relax.VarBinding(binding.var, lowered), True
+            bindings.append(binding)
+        blocks.append(type(block)(bindings))
+    if not changed:
+        return None
+    return relax.Function(
+        func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure, func.attrs
+    )
+
+
+def _lower(binding, mod, builder, target):
+    call = binding.value
+    if not isinstance(call, relax.Call):
+        return None
+    args = list(call.args)
+    if isinstance(call.op, tvm.ir.Op) and call.op.name in ATTENTION_OPS:
+        spec = AttentionSpec.from_attention_op(call)
+    elif isinstance(call.op, relax.GlobalVar) and call.op in mod.functions:
+        spec = fused_attention_spec(mod[call.op])
+        if spec is not None:
+            args = args[: 3 + len(spec.bias_shapes)]  # the trailing causal mask is the reference's
+    else:
+        return None
+    if spec is None:
+        return None
+    kernel = attention_kernel(spec, target)
+    if kernel is None:
+        return None
+    gvar = builder.add_func(kernel, KERNEL_NAME)
+    return relax.op.call_tir(gvar, relax.Tuple(args), binding.var.ty)
