@@ -164,13 +164,12 @@ class _Analysis:
         return collect
 
     def _match(self, p: _Pattern, m, orig) -> _Match:
-        stages = []
+        stages = []  # p.stages runs from the scores outwards
         for stage, other, cond in p.stages:
             for kind, pat in stage.items():
                 if pat in m:
                     stages.append((kind, m[pat], m[other], m.get(cond)))
                     break
-        stages.reverse()  # the innermost stage (next to the scores) first
         scale_call = next((m[s] for s in p.scales.values() if s in m), None)
         nan_fix = m[p.nan_fix] if p.nan_fix in m else None
         return _Match(m[p.q], m[p.k], m[p.v], m[p.scores], scale_call, stages, m[p.softmax], nan_fix, orig)
