@@ -180,37 +180,36 @@ class CpuTiles:
     lanes: int
 
 
-def _register_tile(regs: int, lanes: int, width_ok) -> tuple[int, int]:
-    """(rows, vectors) with the most FMAs per load whose ``rows * vectors`` accumulators, one
-    broadcast and ``vectors`` loaded operands fit in the register file."""
-    best = (1, 1, -1.0)
+def _register_tiles(regs: int, lanes: int, width_ok) -> list[tuple[int, int, float]]:
+    """(rows, vectors, FMAs per load) of register tiles whose ``rows * vectors`` accumulators,
+    one broadcast and ``vectors`` loaded operands fit in the register file."""
+    tiles = []
     for vectors in range(1, 9):
-        if not width_ok(vectors * lanes):
-            continue
         rows = min((regs - vectors - 1) // vectors, 8)
-        if rows < 1:
-            continue
-        score = rows * vectors / (rows + vectors)
-        if score > best[2] + 1e-9:
-            best = (rows, vectors, score)
-    return best[0], best[1]
+        if rows >= 1 and width_ok(vectors * lanes):
+            tiles.append((rows, vectors, rows * vectors / (rows + vectors)))
+    return tiles
 
 
 def cpu_tiles(spec: AttentionSpec, target: Target) -> CpuTiles:
-    """Tile sizes from the target's SIMD width and register count (no machine constants):
-    register tiles as large as the register file allows, tiles of about 64 queries/keys (the
-    score, accumulator and K/V tiles then stay in L1), smaller query tiles when there would be
-    too few tasks for the cores."""
+    """Tile sizes from the target's SIMD width and register count (no machine constants): the
+    pair of register tiles (``K.Q^T`` and ``P.V``) with the most FMAs per load whose query tile
+    (a multiple of both) stays near 64 queries, so the score, accumulator and K/V tiles stay
+    in L1; smaller query tiles when there would be too few tasks for the cores."""
     lanes = vector_lanes(target, spec.dtype)
     regs = num_vector_registers(target)
-    qk_rows, qk_vectors = _register_tile(regs, lanes, lambda w: w <= 64)
-    qk_cols = qk_vectors * lanes
     dv = spec.head_dim_v
-    pv_rows, pv_vectors = _register_tile(regs, lanes, lambda w: dv % w == 0)
-    pv_cols = pv_vectors * lanes
-    if dv % pv_cols:  # head dim not a multiple of the lanes: one vector loop over all of it
-        pv_cols, pv_rows = dv, max(1, min(8, (regs - 2) * lanes // max(dv, 1)))
-    step = math.lcm(qk_cols, pv_rows)
+    qk = _register_tiles(regs, lanes, lambda w: w <= 64)
+    pv = _register_tiles(regs, lanes, lambda w: dv % w == 0) or [
+        (max(1, min(8, (regs - 2) * lanes // dv)), 0, 0.0)
+    ]
+    best = None
+    for r1, c1, e1 in qk:
+        for r2, c2, e2 in pv:
+            step = math.lcm(c1 * lanes, r2)
+            if step <= 96 and (best is None or e1 + e2 > best[0] + 1e-9):
+                best = (e1 + e2, r1, c1 * lanes, r2, c2 * lanes if c2 else dv, step)
+    _, qk_rows, qk_cols, pv_rows, pv_cols, step = best
     q_tile = step * max(1, round(64 / step))
     while q_tile > step and spec.batch * spec.heads * -(-spec.seq_q // q_tile) < 4 * num_cores(target):
         q_tile -= step
