@@ -41,6 +41,14 @@ def _add_pipeline_switches(parser: argparse.ArgumentParser) -> None:
         help="disable horizontal fusion",
     )
     parser.add_argument(
+        "--no-attention",
+        dest="attention",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not fuse attention blocks (FuseAttention)",
+    )
+    parser.add_argument(
         "--layout",
         default="auto",
         help="auto (NHWC on CUDA; NCHW on CPU, where it measured faster than NCHW{c}) | NCHW | NHWC | NCHW8c | off",
@@ -55,6 +63,7 @@ def _pipeline_options(args) -> dict:
     return {
         "fold_batch_norm": args.fold_batch_norm,
         "horizontal": args.horizontal,
+        "attention": args.attention,
         "layout": layout,
         "fusion": args.fusion,
     }
@@ -89,6 +98,7 @@ def cmd_build(args) -> int:
 def cmd_explain(args) -> int:
     from .passes import explain
     from .pipeline import pipeline_passes
+    from .policy import FusionPolicy
     from .targets import parse_target
 
     target = parse_target(args.target, cuda_arch=args.arch)
@@ -100,7 +110,10 @@ def cmd_explain(args) -> int:
             if p.info.name == "ApplyFusionPolicy":
                 break
             mod = p(mod)
-    print(explain(mod, args.policy, target))
+    policy = FusionPolicy.coerce(args.policy)
+    if args.attention is False:
+        policy = policy.replace(attention=False)
+    print(explain(mod, policy, target))
     return 0
 
 

@@ -131,6 +131,7 @@ class _Plan:
     keep: np.ndarray | None  # the causal mask, for the reference body
     rank: int
     summary: str
+    block: str  # the softmax's variable name
 
 
 class _Analysis:
@@ -272,7 +273,7 @@ class _Analysis:
             keep = (np.arange(seq_kv)[None, :] <= np.arange(seq_q)[:, None] + offset).reshape(
                 1, 1, seq_q, seq_kv
             )
-        return _Plan(mt, spec, *views, biases, keep, rank, spec.describe())
+        return _Plan(mt, spec, *views, biases, keep, rank, spec.describe(), self._name(mt.softmax))
 
     def _strip_scale(self, expr):
         """(operand, scale): scalar-constant multiplies producing a matmul operand folded into
@@ -604,7 +605,9 @@ def attention_decisions(
                 spec = fused_attention_spec(mod[value.op])
                 if spec is not None:
                     decisions.append(
-                        AttentionDecision(gvar.name_hint, var.name, True, f"{value.op.name_hint}")
+                        AttentionDecision(
+                            gvar.name_hint, var.name, True, f"{value.op.name_hint}: {spec.describe()}"
+                        )
                     )
         found = dict(analysis.decisions)
         for var, softmax in _softmax_feeding_matmul(analysis):
@@ -690,7 +693,7 @@ class _Rewriter(relax.PyExprMutator):
         args = [self.visit_expr(e) for e in (plan.q, plan.k, plan.v, *plan.biases)]
         if plan.keep is not None:
             args.append(relax.const(plan.keep))
-        out = self.builder_.emit(relax.Call(gvar, args), "attention")
+        out = self.builder_.emit(relax.Call(gvar, args), f"attention_{plan.block}")
         spec = plan.spec
         if plan.rank == 4:  # out is (B, S_q, N, Dv); the context was (B, N, S_q, Dv)
             perm = [0, 2, 1, 3]
