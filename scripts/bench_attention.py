@@ -288,6 +288,7 @@ def markdown(rows, meta) -> str:
         "",
         "Reproduce: `python scripts/bench_attention.py` (`--quick` for a smoke run).",
         "",
+        *targets(rows),
     ]
     for case, seq in dict.fromkeys((r["case"], r["seq"]) for r in rows):
         sub = [r for r in rows if r["case"] == case and r["seq"] == seq]
@@ -304,6 +305,40 @@ def markdown(rows, meta) -> str:
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def _median(rows, case, seq, variant):
+    found = [
+        r["median_ms"] for r in rows if r["case"] == case and r["seq"] == seq and r["variant"] == variant
+    ]
+    return found[0] if found else None
+
+
+def targets(rows) -> list[str]:
+    """The issue's targets, computed from this run's medians."""
+    fused, unfused = "tvm_fusion, fused attention", "tvm_fusion, attention unfused"
+    checks = []
+    a_f, a_u = _median(rows, "attention alone", 2048, fused), _median(rows, "attention alone", 2048, unfused)
+    a_ort = _median(rows, "attention alone", 2048, "ORT MultiHeadAttention op")
+    if None not in (a_f, a_u, a_ort):
+        checks.append(("attention at seq 2048 >= 2x faster than our unfused path", a_u / a_f >= 2,
+                       f"{a_u / a_f:.2f}x ({a_f:.0f} vs {a_u:.0f} ms)"))  # fmt: skip
+        checks.append(("attention at seq 2048 no slower than ORT's fused attention (MultiHeadAttention)",
+                       a_f <= a_ort, f"{a_f / a_ort:.2f}x ORT's time ({a_f:.0f} vs {a_ort:.0f} ms)"))  # fmt: skip
+    l_f = _median(rows, "BERT-base layer", 2048, fused)
+    l_opt = _median(rows, "BERT-base layer", 2048, "ORT + transformers optimizer")
+    if None not in (l_f, l_opt):
+        checks.append(("BERT-base layer at seq 2048 no slower than ORT with its Attention fused", l_f <= l_opt,
+                       f"{l_f / l_opt:.2f}x ({l_f:.0f} vs {l_opt:.0f} ms)"))  # fmt: skip
+    b_f, b_ort = _median(rows, "BERT-base layer", 512, fused), _median(rows, "BERT-base layer", 512, "ORT")
+    if None not in (b_f, b_ort):
+        checks.append(("BERT-base layer at seq 512 <= 0.8x ORT", b_f <= 0.8 * b_ort,
+                       f"{b_f / b_ort:.2f}x ORT ({b_f:.0f} vs {b_ort:.0f} ms)"))  # fmt: skip
+    if not checks:
+        return []
+    lines = ["## Targets (medians of this run)", "", "| target | reached | measured |", "| --- | --- | --- |"]
+    lines += [f"| {name} | {'yes' if ok else '**no**'} | {text} |" for name, ok, text in checks]
+    return [*lines, ""]
 
 
 def main(argv=None) -> int:

@@ -547,32 +547,28 @@ def _unmatched_reason(analysis: _Analysis, softmax: relax.Call) -> str | None:
 
 
 def _softmax_feeding_matmul(analysis: _Analysis):
-    """Softmax calls whose result (or its NaN guard) is the left operand of a matmul."""
+    """Softmax calls whose result (possibly through a NaN guard) is the left operand of a matmul."""
+    consumers: dict = {}
     lhs = set()
-    for value in analysis.var2val.values():
+    for var, value in analysis.var2val.items():
+        for used in relax.analysis.free_vars(value):
+            consumers.setdefault(used, []).append(var)
         if (
             isinstance(value, relax.Call)
             and isinstance(value.op, tvm.ir.Op)
             and value.op.name == "relax.matmul"
         ):
-            lhs.add(value.args[0])
+            if isinstance(value.args[0], relax.Var):
+                lhs.add(value.args[0])
     for var, value in analysis.var2val.items():
         if (
             isinstance(value, relax.Call)
             and isinstance(value.op, tvm.ir.Op)
             and value.op.name == "relax.nn.softmax"
         ):
-            users = [v for v, val in analysis.var2val.items() if var in relax.analysis.free_vars(val)]
-            if (
-                var in lhs
-                or any(u in lhs for u in users)
-                or any(
-                    u2 in lhs
-                    for u in users
-                    for u2, v2 in analysis.var2val.items()
-                    if u in relax.analysis.free_vars(v2)
-                )
-            ):
+            near = {var, *consumers.get(var, [])}
+            near |= {c for u in list(near) for c in consumers.get(u, [])}
+            if near & lhs:
                 yield var, value
 
 
