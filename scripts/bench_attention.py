@@ -288,6 +288,16 @@ def markdown(rows, meta) -> str:
         "",
         "Reproduce: `python scripts/bench_attention.py` (`--quick` for a smoke run).",
         "",
+        "Variants: **tvm_fusion, fused attention** is the default pipeline (`FuseAttention` + the",
+        "FlashAttention-style kernel of `schedules/attention.py`: online softmax over key tiles, scores",
+        "only as an L1 tile); **attention unfused** is the same pipeline with the policy's `attention`",
+        "switch off (matmul, scale, mask, softmax, matmul as separate kernels); **ORT** is",
+        "`ORT_ENABLE_ALL`; **ORT + transformers optimizer** runs `onnxruntime.transformers.optimizer`",
+        "first (its note says how many Attention ops it fused); where it fuses none (our GPT-2 block),",
+        "**ORT Attention op (by hand)** replaces the block by ORT's `Attention` (`unidirectional=1`)",
+        "with the same weights. *Attention alone* is the block from Q/K/V to the merged heads (with",
+        "HF's padding mask), against ORT's `MultiHeadAttention` op.",
+        "",
         *targets(rows),
     ]
     for case, seq in dict.fromkeys((r["case"], r["seq"]) for r in rows):

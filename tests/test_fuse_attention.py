@@ -297,7 +297,7 @@ KERNEL_SPECS = [
 ]
 
 
-def _run_kernel(func, spec, seed=0):
+def _run_kernel(func, spec, target, seed=0):
     rng = np.random.default_rng(seed)
     b, n, sq, skv, d, dv = spec.batch, spec.heads, spec.seq_q, spec.seq_kv, spec.head_dim, spec.head_dim_v
     q = rng.standard_normal((b, sq, n, d)).astype(np.float32)
@@ -310,21 +310,23 @@ def _run_kernel(func, spec, seed=0):
             bias = np.where(rng.random(shape) < 0.3, LOW, 0).astype(np.float32)
             bias[-1] = LOW
         biases.append(bias)
-    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=llvm_target())
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
     out = tvm.runtime.tensor(np.zeros((b, sq, n, dv), np.float32))
     lib["main"](*[tvm.runtime.tensor(x) for x in [q, k, v, *biases]], out)
     return out.numpy(), _reference(q, k, v, biases, spec)
 
 
 @pytest.mark.parametrize("spec", KERNEL_SPECS, ids=[f"spec{i}" for i in range(len(KERNEL_SPECS))])
-@pytest.mark.parametrize("kernel", ["cpu", "cuda_emulated"])
+@pytest.mark.parametrize("kernel", ["cpu", "cpu_avx2", "cuda_emulated"])
 def test_kernel_matches_reference(spec, kernel):
-    func = (
-        cpu_attention_kernel(spec, llvm_target())
-        if kernel == "cpu"
-        else cuda_attention_kernel(spec, emulate=True)
-    )
-    got, ref = _run_kernel(func, spec)
+    """The CPU kernel with this machine's tiles and with AVX2's (8 lanes, 16 registers; runs on
+    any x86 CI machine), and the CUDA kernel with its threads as serial loops."""
+    target = llvm_target("znver3" if kernel == "cpu_avx2" else None)
+    if kernel == "cuda_emulated":
+        func = cuda_attention_kernel(spec, emulate=True)
+    else:
+        func = cpu_attention_kernel(spec, target)
+    got, ref = _run_kernel(func, spec, target)
     assert np.array_equal(np.isnan(got), np.isnan(ref))
     assert rel_err(got, ref) <= 1e-4
 
