@@ -226,15 +226,16 @@ class _Analysis:
             return f"score scale {scale}"
         scores_shape = [*q_shape[:-1], seq_kv]
         biases, causal, before = [], None, 0
+        # an added mask is read as "causal + per-key part" only when it is the block's one mask
+        # stage: s + finfo.min == finfo.min, but next to another mask (say of -inf) it would not be
+        split = len(mt.stages) == 1
         for kind, _call, other, cond in mt.stages:
             if kind in ("add", "radd"):
-                parts = self._bias_parts(other, seq_q, seq_kv, scores_shape)
+                parts = self._bias_parts(other, seq_q, seq_kv, scores_shape, split)
                 if isinstance(parts, str):
                     return parts
                 for part in parts:
                     if isinstance(part[0], int):  # (offset, fill)
-                        if causal is not None:
-                            return "two causal masks"
                         causal, before = part, len(biases)
                     else:
                         biases.append(part)
@@ -342,9 +343,10 @@ class _Analysis:
             return expr
         return _permute_or_reshape(expr, perm, logical)
 
-    def _bias_parts(self, other, seq_q, seq_kv, scores_shape):
-        """An additive mask as [bias exprs and (offset, fill) causal stages], or why not."""
-        value = _const_array(other, self.var2val)
+    def _bias_parts(self, other, seq_q, seq_kv, scores_shape, split: bool):
+        """An added mask as [(bias, shape)] or, with ``split``, [(per-key bias, shape),
+        (offset, fill)] / [(offset, fill)] when it hides a causal triangle; or why not."""
+        value = _const_array(other, self.var2val) if split else None
         if value is not None and value.dtype.kind == "f":
             found = _causal_additive(value, seq_q, seq_kv)
             if found is not None:
@@ -366,9 +368,9 @@ class _Analysis:
                         and rest_shape is not None
                         and _broadcasts(rest_shape, scores_shape)
                     ):
-                        if bool(np.all(keep)):
+                        if bool(np.all(keep)):  # where(True & m, 0, fill) is where(m, 0, fill)
                             return [(small, rest_shape)]
-                        offset = _tril_offset(keep, seq_q, seq_kv)
+                        offset = _tril_offset(keep, seq_q, seq_kv) if split else None
                         if offset is not None:
                             return [(small, rest_shape), (offset, fill)]
         shape = _shape(other)
