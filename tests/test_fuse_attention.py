@@ -306,9 +306,10 @@ def _run_kernel(func, spec, target, seed=0):
     biases = []
     for shape in spec.bias_shapes:
         bias = rng.standard_normal(shape).astype(np.float32)
-        if shape[2] == 1:  # a padding mask: some keys masked, batch 1 entirely
-            bias = np.where(rng.random(shape) < 0.3, LOW, 0).astype(np.float32)
-            bias[-1] = LOW
+        if shape[2] == 1:  # a padding mask: some keys masked, the last batch row entirely
+            fill = -np.inf if spec.nan_to_zero else LOW  # -inf rows are NaN, then 0 behind the guard
+            bias = np.where(rng.random(shape) < 0.3, fill, 0).astype(np.float32)
+            bias[-1] = fill
         biases.append(bias)
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
     out = tvm.runtime.tensor(np.zeros((b, sq, n, dv), np.float32))
