@@ -282,7 +282,8 @@ def markdown(rows, meta) -> str:
         "",
         f"Measured {meta['date']} on {meta['machine']}, {meta['threads']} threads for every variant, "
         f"{meta['rounds']} interleaved rounds x {meta['runs']} runs (median and best of all runs). "
-        "**The machine is shared with other jobs**: absolute times are noisy; ratios within one case "
+        f"**The machine is shared with other jobs** (1-minute load average {meta['load'][0]:.1f} at the "
+        f"start, {meta['load'][1]:.1f} at the end): absolute times are noisy; ratios within one case "
         "come from the same rounds. Every variant was checked against plain ONNX Runtime (rel err = "
         "max |err| / max |ref|). Memory: the largest buffer a run materialises besides its inputs.",
         "",
@@ -363,6 +364,7 @@ def main(argv=None) -> int:
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before the first parallel kernel runs
     rounds = args.rounds or (1 if args.quick else 5)
     runs = args.runs or (2 if args.quick else 3)
+    load_start = os.getloadavg()[0]
     rows = []
     for case in cases(args.quick):
         if args.only and args.only not in case[0]:
@@ -376,6 +378,7 @@ def main(argv=None) -> int:
         "runs": runs,
         "tvm": tvm.__version__,
         "onnxruntime": ort.__version__,
+        "load": [load_start, os.getloadavg()[0]],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
