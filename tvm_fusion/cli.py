@@ -21,6 +21,7 @@ from .frontend import as_imported
 from .loaded import load, read_inputs
 from .passes import explain
 from .pipeline import pipeline_stages, run_passes
+from .policy import FusionPolicy
 from .shape_cache import parse_bucket
 from .targets import parse_target
 
@@ -50,6 +51,14 @@ def _add_pipeline_switches(parser: argparse.ArgumentParser) -> None:
         help="disable horizontal fusion",
     )
     parser.add_argument(
+        "--no-attention",
+        dest="attention",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not fuse attention blocks (FuseAttention)",
+    )
+    parser.add_argument(
         "--layout",
         default="auto",
         help="auto (NHWC on CUDA; NCHW on CPU, where it measured faster than NCHW{c}) | NCHW | NHWC | NCHW8c | off",
@@ -64,6 +73,7 @@ def _pipeline_options(args) -> dict:
     return {
         "fold_batch_norm": args.fold_batch_norm,
         "horizontal": args.horizontal,
+        "attention": args.attention,
         "layout": layout,
         "fusion": args.fusion,
     }
@@ -96,7 +106,10 @@ def cmd_explain(args) -> int:
     imported = as_imported(args.model, args.name)
     stages = pipeline_stages(target, args.policy, **_pipeline_options(args))
     mod = run_passes(imported.mod, stages.rewrite, target, imported.name)  # what the fusion policy sees
-    print(explain(mod, args.policy, target))
+    policy = FusionPolicy.coerce(args.policy)
+    if args.attention is False:
+        policy = policy.replace(attention=False)
+    print(explain(mod, policy, target))
     return 0
 
 

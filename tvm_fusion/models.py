@@ -209,6 +209,111 @@ def bert_layer(seq=128, seed=0) -> onnx.ModelProto:
     return transformer_block(batch=1, seq=seq, hidden=768, heads=12, ffn=3072, seed=seed)
 
 
+FLOAT32_MIN = float(np.finfo(np.float32).min)
+ATTENTION_SPELLINGS = ("torchscript", "dynamo", "gpt2", "gpt2_dynamo", "vit")
+
+
+def attention_layer(
+    spelling="torchscript", batch=1, seq=128, hidden=768, heads=12, ffn=None, seed=0, softmax_axis=-1
+) -> onnx.ModelProto:
+    """A transformer layer whose attention is spelled as a torch exporter writes it.
+
+    ``spelling``: ``"torchscript"`` (HF eager BERT: ``/ sqrt(d)``, additive extended mask
+    ``(1 - mask) * finfo.min`` from Unsqueeze/Cast/Sub/Mul), ``"dynamo"`` (the SDPA
+    decomposition: ``q`` and ``k^T`` each times ``sqrt(1/sqrt(d))``, ``k^T`` through a 3-D
+    reshape, ``Where(And(C, mask), 0, finfo.min)`` added, ``Where(IsNaN(p), 0, p)``),
+    ``"gpt2"`` (eager GPT-2, pre-norm: one QKV MatMul + Split, ``Where(causal, s, finfo.min)``
+    then the padding mask added), ``"gpt2_dynamo"`` (SDPA with a causal ``C``), ``"vit"`` (no
+    mask: fused QKV reshaped to (B, S, 3, N, d), ``q`` pre-scaled). Masked spellings take an
+    int64 ``attention_mask`` (batch, seq) input after ``input``.
+    """
+    if spelling not in ATTENTION_SPELLINGS:
+        raise ValueError(f"unknown attention spelling {spelling!r}; choose one of {ATTENTION_SPELLINGS}")
+    ffn = ffn or 4 * hidden
+    d = hidden // heads
+    g = GraphBuilder(f"attention_{spelling}", seed)
+    x = g.input("input", (batch, seq, hidden))
+    masked = spelling != "vit"
+    mask = g.input("attention_mask", (batch, seq), TensorProto.INT64) if masked else None
+    pre_norm = spelling.startswith("gpt2") or spelling == "vit"
+    h = g.layer_norm(x, hidden) if pre_norm else x
+
+    def heads_first(t, perm=(0, 2, 1, 3)):
+        return g.transpose(g.reshape(t, [batch, seq, heads, d]), perm)
+
+    if spelling == "vit":
+        qkv = g.reshape(g.linear(h, hidden, 3 * hidden), [batch, seq, 3, heads, d])
+        qkv = g.transpose(qkv, [2, 0, 3, 1, 4])
+        q, k, v = (g.op("Gather", [qkv, g.const("idx", np.array(i, np.int64))], axis=0) for i in range(3))
+        q = g.op("Mul", [q, g.const("scale", np.array(d**-0.5, np.float32))])
+        k_t = g.transpose(k, [0, 1, 3, 2])
+    elif spelling.startswith("gpt2"):
+        qkv = g.linear(h, hidden, 3 * hidden)
+        q, k, v = g.op("Split", [qkv, g.const("split", np.array([hidden] * 3, np.int64))], n_out=3, axis=2)
+        q, v = heads_first(q), heads_first(v)
+        k_t = heads_first(k, (0, 2, 3, 1))
+    else:
+        q, v = heads_first(g.linear(h, hidden, hidden)), None
+        k = g.linear(h, hidden, hidden)
+        v = heads_first(g.linear(h, hidden, hidden))
+        k_t = heads_first(k, (0, 2, 3, 1)) if spelling == "torchscript" else None
+        if spelling == "dynamo":  # k^T through the decomposition's (B*N, S, d) detour
+            k3 = g.reshape(heads_first(k), [batch * heads, seq, d])
+            k_t = g.reshape(g.transpose(k3, [0, 2, 1]), [batch, heads, d, seq])
+    sdpa = spelling in ("dynamo", "gpt2_dynamo")
+    if sdpa:
+        root = g.const("sqrt_scale", np.array(math.sqrt(1.0 / math.sqrt(d)), np.float32))
+        q, k_t = g.op("Mul", [q, root]), g.op("Mul", [k_t, root])
+    scores = g.op("MatMul", [q, k_t])
+    if spelling in ("torchscript", "gpt2"):
+        scores = g.op("Div", [scores, g.const("sqrt_d", np.array(math.sqrt(d), np.float32))])
+    causal = np.tril(np.ones((seq, seq), bool)).reshape(1, 1, seq, seq)
+    if spelling == "gpt2":
+        scores = g.op(
+            "Where", [g.const("causal", causal), scores, g.const("min", np.array(FLOAT32_MIN, np.float32))]
+        )
+    if spelling in ("torchscript", "gpt2"):  # HF's extended attention mask
+        m = g.op("Unsqueeze", [mask, g.const("ax", np.array([1], np.int64))])
+        m = g.op("Unsqueeze", [m, g.const("ax", np.array([2], np.int64))])
+        m = g.op("Cast", [m], to=TensorProto.FLOAT)
+        m = g.op("Sub", [g.const("one", np.array(1.0, np.float32)), m])
+        scores = g.op("Add", [scores, g.op("Mul", [m, g.const("min", np.array(FLOAT32_MIN, np.float32))])])
+    if sdpa:
+        m = g.reshape(g.op("Cast", [mask], to=TensorProto.BOOL), [batch, 1, 1, seq])
+        base = causal if spelling == "gpt2_dynamo" else np.ones((1, 1, seq, 1), bool)
+        m = g.op("And", [g.const("base", base), m])
+        bias = g.op(
+            "Where",
+            [
+                m,
+                g.const("zero", np.array(0.0, np.float32)),
+                g.const("min", np.array(FLOAT32_MIN, np.float32)),
+            ],
+        )
+        scores = g.op("Add", [scores, bias])
+    probs = g.op("Softmax", [scores], axis=softmax_axis)
+    if sdpa:
+        probs = g.op("Where", [g.op("IsNaN", [probs]), g.const("zero", np.array(0.0, np.float32)), probs])
+    ctx = g.reshape(g.transpose(g.op("MatMul", [probs, v]), [0, 2, 1, 3]), [batch, seq, hidden])
+    x = g.add(x, g.linear(ctx, hidden, hidden))
+    if not pre_norm:
+        x = g.layer_norm(x, hidden)
+    h = g.layer_norm(x, hidden) if pre_norm else x
+    h = g.linear(g.gelu(g.linear(h, hidden, ffn)), ffn, hidden)
+    out = g.add(x, h)
+    return g.finish([out if pre_norm else g.layer_norm(out, hidden)])
+
+
+def bert_layer_masked(seq=128, seed=0) -> onnx.ModelProto:
+    """A BERT-base layer with HF's padding mask, attention as the TorchScript exporter spells it."""
+    return attention_layer("torchscript", seq=seq, seed=seed)
+
+
+def gpt2_block(seq=128, seed=0) -> onnx.ModelProto:
+    """A GPT-2 (small) block: pre-norm, causal attention (where + padding mask), hidden 768."""
+    return attention_layer("gpt2", seq=seq, seed=seed)
+
+
 def mlp_bn(batch=8, din=32, hidden=64, dout=10, seed=0) -> onnx.ModelProto:
     """An MLP whose hidden layer is Gemm -> BatchNorm(features) -> Relu (BN after a dense)."""
     g = GraphBuilder("mlp_bn", seed)
@@ -230,6 +335,8 @@ EXAMPLES: dict[str, Callable[[], onnx.ModelProto]] = {
     "mobilenet_block": mobilenet_block,
     "resnet18": resnet18,
     "bert_layer": bert_layer,
+    "bert_layer_masked": bert_layer_masked,
+    "gpt2_block": gpt2_block,
 }
 
 
@@ -242,7 +349,8 @@ def example(name: str) -> onnx.ModelProto:
 
 
 def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random float32 inputs matching the model's (static) input shapes."""
+    """Random inputs matching the model's (static) input shapes: float32 normal values; for
+    integer inputs an all-ones mask (names with "mask") or token ids in [0, 1000)."""
     rng = np.random.default_rng(seed)
     inits = {i.name for i in model.graph.initializer}
     feeds = {}
@@ -250,5 +358,11 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
         if inp.name in inits:
             continue
         shape = [d.dim_value if d.dim_value > 0 else 1 for d in inp.type.tensor_type.shape.dim]
-        feeds[inp.name] = rng.standard_normal(shape).astype(np.float32)
+        elem = inp.type.tensor_type.elem_type
+        if elem in (TensorProto.INT64, TensorProto.INT32):
+            dtype = np.int64 if elem == TensorProto.INT64 else np.int32
+            ones = "mask" in inp.name.lower()
+            feeds[inp.name] = np.ones(shape, dtype) if ones else rng.integers(0, 1000, shape).astype(dtype)
+        else:
+            feeds[inp.name] = rng.standard_normal(shape).astype(np.float32)
     return feeds

@@ -7,9 +7,13 @@ Order, and why:
 2. ``CanonicalizeActivations``: exporters spell GELU/SiLU as erf/sigmoid arithmetic; one op fuses
    as an epilogue, five ops with a diamond do not.
 3. ``HorizontalFuse``: sibling GEMMs/convs over one input become one (Q/K/V -> one GEMM + split).
+   ``FuseAttention``: each attention block becomes one ``fused_attention`` function (after the
+   QKV merge, which it looks through; before fusion, which would otherwise split the block).
 4. ``RewriteLayout`` + ``FoldConstant``: NCHW{c}/NHWC per target; weights transformed at compile time.
 5. ``ApplyFusionPolicy``: groups named ops into Primitive functions as the policy decides.
-6. ``LegalizeOps``, ``AnnotateTIROpPattern``, ``FoldConstant``, ``FuseTIR``: one PrimFunc per group.
+6. ``LowerAttention``: fused attention (and ``R.nn.attention``) becomes the target's
+   FlashAttention-style kernel (``schedules/attention.py``), already scheduled.
+   ``LegalizeOps``, ``AnnotateTIROpPattern``, ``FoldConstant``, ``FuseTIR``: one PrimFunc per group.
 7. Schedules: constant weights marked layout-free, tuned records (``MetaScheduleApplyDatabase``),
    default (dlight-style) rules for the rest, packed weights folded into constants.
 
@@ -25,9 +29,16 @@ from tvm import relax
 
 from .errors import TvmFusionError, last_line
 from .legalize import register as register_legalizations
-from .passes import ApplyFusionPolicy, CanonicalizeActivations, FoldBatchNorm, HorizontalFuse, RewriteLayout
+from .passes import (
+    ApplyFusionPolicy,
+    CanonicalizeActivations,
+    FoldBatchNorm,
+    FuseAttention,
+    HorizontalFuse,
+    RewriteLayout,
+)
 from .policy import FusionPolicy
-from .schedules import default_schedule_passes, mark_prepackable
+from .schedules import LowerAttention, default_schedule_passes, mark_prepackable
 from .targets import parse_target
 
 # The activation layout the pipeline asks RewriteLayout for, per target kind; measured, see
@@ -55,7 +66,7 @@ def in_target(
 class PipelineStages:
     """The pipeline's passes in the four stages a build, tuning and ``explain`` each stop at."""
 
-    rewrite: list  # graph rewrites before fusion: BN fold, activations, horizontal, layout
+    rewrite: list  # graph rewrites before fusion: BN fold, activations, horizontal, attention, layout
     fuse: list  # fusion policy, lowering to TIR: one PrimFunc per group
     tuned: list  # constant weights marked layout-free, tuned records applied
     default: list  # default schedules for everything else, packed weights folded
@@ -70,6 +81,7 @@ def pipeline_stages(
     *,
     fold_batch_norm: bool = True,
     horizontal: bool | None = None,
+    attention: bool | None = None,
     layout: str | bool | None = True,
     fusion: bool = True,
     schedule: bool = True,
@@ -80,17 +92,23 @@ def pipeline_stages(
     policy = FusionPolicy.coerce(policy)
     register_legalizations()  # LegalizeOps below lowers NCHW{c} convs and GELU our way
     horizontal = policy.horizontal if horizontal is None else horizontal
+    attention = policy.attention if attention is None else attention
     rewrite: list[tvm.transform.Pass] = []
     if fold_batch_norm:
         rewrite += [FoldBatchNorm(), relax.transform.FoldConstant()]
     rewrite.append(CanonicalizeActivations())
     if horizontal:
         rewrite.append(HorizontalFuse())
+    if attention and fusion:
+        if not fold_batch_norm:  # scales, masks and causal triangles must be constants
+            rewrite.append(relax.transform.FoldConstant())
+        rewrite.append(FuseAttention())
     if layout:
         chosen = PIPELINE_LAYOUT.get(target.kind.name, "auto") if layout is True else layout
         rewrite += [RewriteLayout(target, chosen), relax.transform.FoldConstant()]
     fuse = [ApplyFusionPolicy(policy, target)] if fusion else []
     fuse += [
+        LowerAttention(target),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
@@ -122,8 +140,8 @@ def pipeline_passes(
         Fusion rules (None: defaults). ``policy.horizontal`` switches horizontal fusion.
     fold_batch_norm, fusion, schedule : bool
         Switch stages off (``fusion=False`` gives the unfused baseline: one kernel per op).
-    horizontal : bool | None
-        Overrides ``policy.horizontal`` when not None.
+    horizontal, attention : bool | None
+        Override ``policy.horizontal`` / ``policy.attention`` when not None.
     layout : True | False | str
         True: the pipeline's per-target layout (``PIPELINE_LAYOUT``); a string forces one
         ("NHWC", "NCHW8c", ...); False skips the layout pass.

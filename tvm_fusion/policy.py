@@ -20,6 +20,10 @@ class may hand its output to which consumer classes inside one kernel. On top of
   writing and re-reading the intermediate, minus compute added when an inlined producer is
   recomputed for every read, plus one kernel launch saved. An edge is fused only when the
   benefit is at least ``benefit_threshold_us``.
+
+Two switches run before the table: ``horizontal`` (sibling GEMMs over one input become one, see
+``HorizontalFuse``) and ``attention`` (scaled-dot-product attention blocks become one fused kernel
+that never materialises the score tensor, see ``FuseAttention``).
 """
 
 from __future__ import annotations
@@ -223,6 +227,7 @@ class FusionPolicy:
     use_cost_model: bool = True
     roofline: Roofline | None = None  # None: the preset for the build target
     horizontal: bool = True
+    attention: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -334,6 +339,7 @@ POLICY_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_cost_model": (_is_bool, "true or false"),
     "roofline": (lambda v: v is None or isinstance(v, Roofline), "null or a roofline object"),
     "horizontal": (_is_bool, "true or false"),
+    "attention": (_is_bool, "true or false"),
 }
 
 ROOFLINE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {

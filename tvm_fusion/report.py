@@ -186,3 +186,60 @@ def _out_channels(weight_shape: list[int], kernel_layout: str) -> int:
     """Output channels of a conv weight in any layout ("OIHW", "OHWI", "OIHW8i8o" ...)."""
     letters = [c for c in kernel_layout if c.isalpha()]
     return int(np.prod([d for d, c in zip(weight_shape, letters) if c in "Oo"])) or 1
+
+
+def _stmts(stmt):
+    """Every statement under ``stmt`` (this TVM has no stmt_functor.post_order_visit)."""
+    stack = [stmt]
+    while stack:
+        node = stack.pop()
+        if node is None or isinstance(node, (int, float, str)):
+            continue
+        yield node
+        if isinstance(node, tvm.tirx.SeqStmt):
+            stack.extend(node.seq)
+            continue
+        for name in ("body", "block", "init", "then_case", "else_case"):
+            child = getattr(node, name, None)
+            if isinstance(child, tvm.tirx.Stmt):
+                stack.append(child)
+
+
+def tir_buffers(func: tvm.tirx.PrimFunc) -> list[tuple[str, tuple, str, str]]:
+    """``(name, shape, dtype, scope)`` of every buffer a PrimFunc takes or allocates
+    (parameters have scope "param")."""
+    found = [(b.name, tuple(b.shape), str(b.dtype), "param") for b in func.params if hasattr(b, "shape")]
+    for node in _stmts(func.body):
+        allocated = list(getattr(node, "alloc_buffers", []) or [])
+        if isinstance(node, tvm.tirx.AllocBuffer):
+            allocated.append(node.buffer)
+        for buf in allocated:
+            found.append((buf.name, tuple(buf.shape), str(buf.dtype), str(buf.scope())))
+    return found
+
+
+def largest_intermediate(mod: tvm.IRModule) -> tuple[str, int]:
+    """The largest buffer a run of ``main`` materialises besides its inputs: a kernel's output
+    tensor, or a global-memory allocation inside a kernel. ``(description, bytes)``."""
+    best = ("none", 0)
+    for call in _calls(mod):
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.call_tir":
+            size = _tensor_bytes(call.ty)
+            if size > best[1]:
+                best = (f"{call.args[0].name_hint} output {_shape_text(call.ty)}", size)
+    for gvar, func in mod.functions.items():
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        for name, shape, dtype, scope in tir_buffers(func):
+            if scope != "global" or not all(isinstance(d, (int, tvm.tirx.IntImm)) for d in shape):
+                continue
+            size = int(np.prod([int(d) for d in shape], dtype=np.int64)) * np.dtype(dtype).itemsize
+            if size > best[1]:
+                best = (f"{gvar.name_hint}:{name} {tuple(int(d) for d in shape)}", size)
+    return best
+
+
+def _shape_text(ty) -> str:
+    if isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr):
+        return str(tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else "?" for d in ty.shape.values))
+    return "?"

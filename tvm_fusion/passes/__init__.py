@@ -3,6 +3,7 @@
 from .apply_fusion_policy import ApplyFusionPolicy, explain, plan_module
 from .canonicalize_activations import CanonicalizeActivations
 from .fold_batch_norm import FoldBatchNorm
+from .fuse_attention import FuseAttention, attention_decisions
 from .horizontal_fuse import HorizontalFuse
 from .rewrite_layout import RewriteLayout, count_layout_transforms
 
@@ -10,8 +11,10 @@ __all__ = [
     "ApplyFusionPolicy",
     "CanonicalizeActivations",
     "FoldBatchNorm",
+    "FuseAttention",
     "HorizontalFuse",
     "RewriteLayout",
+    "attention_decisions",
     "count_layout_transforms",
     "explain",
     "plan_module",

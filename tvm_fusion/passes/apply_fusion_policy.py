@@ -282,9 +282,17 @@ def _planned_functions(mod: tvm.IRModule):
 
 
 def explain(mod: tvm.IRModule, policy: FusionPolicy | dict | None = None, target=None) -> str:
-    """A readable report of the groups ApplyFusionPolicy would form and why candidates were rejected."""
+    """A readable report of the groups ApplyFusionPolicy would form and why candidates were
+    rejected, and of each attention block: fused by FuseAttention (or already one op), or why not."""
+    from .fuse_attention import attention_decisions
+
     reports = plan_module(mod, policy, target)
-    return "\n".join(str(r) for r in reports)
+    attention = attention_decisions(mod, policy)
+    lines = []
+    for report in reports:
+        lines.append(str(report))
+        lines += [f"  {d}" for d in attention if d.function == report.function]
+    return "\n".join(lines)
 
 
 def plan_module(mod: tvm.IRModule, policy=None, target=None) -> list[FusionReport]:

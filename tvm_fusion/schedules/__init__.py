@@ -5,6 +5,10 @@
 compile time: it marks constant PrimFunc arguments layout-free, schedules, splits the packing
 blocks into their own PrimFuncs and folds them into new constants (weights must be bound
 ``relax.Constant``s, as ``from_onnx(keep_params_in_input=False)`` gives).
+
+Fused attention (``FuseAttention``'s functions and ``R.nn.attention``) gets its own kernels
+(``attention.py``: FlashAttention-style, complete schedules marked ``tirx.is_scheduled``, so the
+rules below skip them), put in by the ``LowerAttention`` pass before ``LegalizeOps``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from tvm import relax
 from tvm.s_tir import dlight as dl
 
 from ..targets import is_gpu, parse_target
+from .attention import LowerAttention, attention_kernel
 from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, cpu_rules
 from .gpu_matmul import TunableMatmul
 
@@ -78,6 +83,8 @@ def apply_default_schedules(target, prepack: bool = True) -> tvm.transform.Pass:
 
 __all__ = [
     "Contraction",
+    "LowerAttention",
+    "attention_kernel",
     "Injective",
     "ParallelFallback",
     "RowReduction",

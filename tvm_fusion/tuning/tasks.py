@@ -18,7 +18,12 @@ from .records import workload_key
 def extract_tasks(mod: tvm.IRModule, target: tvm.target.Target) -> list:
     """Meta-Schedule tasks of a fused module: one per distinct PrimFunc not scheduled yet."""
     tasks = ms.relax_integration.extract_tasks(mod, target)
-    return [t for t in tasks if not t.mod.attrs or not t.mod.attrs.get("tirx.is_scheduled", False)]
+    return [t for t in tasks if not _is_scheduled(t.dispatched[0]["main"])]
+
+
+def _is_scheduled(func) -> bool:
+    """Kernels that come scheduled (the fused attention kernel): nothing to tune."""
+    return func.attrs is not None and bool(func.attrs.get("tirx.is_scheduled", False))
 
 
 def split_budget(trials: int, num_tasks: int, max_trials_per_task: int | None) -> list[int]:
