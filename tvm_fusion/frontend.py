@@ -10,9 +10,10 @@ from pathlib import Path
 
 import onnx
 import tvm
-from tvm.relax.frontend.onnx import from_onnx
 
-from .errors import ModelLoadError, UnsupportedOpError, last_line
+from .errors import ModelLoadError, TvmFusionError, UnsupportedOpError, last_line
+from .onnx_import import from_onnx
+from .onnx_prepare import prepare_onnx
 
 # The Relax ONNX frontend implements converters back to opset 1 for most ops, but models older
 # than opset 7 use semantics (e.g. BatchNormalization's spatial/is_test attrs) it does not model.
@@ -85,7 +86,11 @@ def check_onnx(model: onnx.ModelProto, where: str = "model") -> None:
 
 
 def import_onnx(source, name: str | None = None) -> ImportedModel:
-    """Load (path or ModelProto), check and convert an ONNX model to a Relax IRModule."""
+    """Load (path or ModelProto), check and convert an ONNX model to a Relax IRModule.
+
+    Static shape arithmetic is folded first (:func:`prepare_onnx`); the model hash is taken on the
+    model as given, so tuning records stay keyed by the user's file.
+    """
     if isinstance(source, onnx.ModelProto):
         model, where = source, name or source.graph.name or "model"
     else:
@@ -95,7 +100,9 @@ def import_onnx(source, name: str | None = None) -> ImportedModel:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            mod = from_onnx(model, keep_params_in_input=False)
+            mod = from_onnx(prepare_onnx(model))
+        except TvmFusionError as err:
+            raise type(err)(f"{where}: {err}") from None
         except Exception as err:
             raise ModelLoadError(f"{where}: the Relax ONNX frontend failed: {last_line(err)}") from None
     return ImportedModel(
