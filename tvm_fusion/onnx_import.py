@@ -38,8 +38,8 @@ class ConstantOfShape(frontend.OnnxOpConverter):
         fill = attr.get("value")
         value = frontend.get_numpy(fill).reshape(()) if fill is not None else np.zeros((), np.float32)
         shape = frontend.get_constant(inputs[0], params)
-        if isinstance(shape, relax.Constant):
-            return relax.const(np.full(tuple(int(d) for d in shape.data.numpy()), value), str(value.dtype))
+        if isinstance(shape, tvm.ir.GenericConst):
+            return relax.const(np.full(tuple(int(d) for d in shape.value.numpy()), value), str(value.dtype))
         if isinstance(shape, relax.ShapeExpr) and all(isinstance(d, tvm.tirx.IntImm) for d in shape.values):
             return relax.const(np.full(tuple(int(d) for d in shape.values), value), str(value.dtype))
         if not isinstance(shape, relax.ShapeExpr):

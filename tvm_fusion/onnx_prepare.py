@@ -51,10 +51,11 @@ def prepare_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
     nodes = list(graph.node)
     folded: dict[str, np.ndarray] = {}
     for _ in range(MAX_ROUNDS):
-        shapes = _static_shapes(model, nodes, known, big)
+        shapes = _inferred_shapes(model, nodes, known, big)
+        partial: dict[str, list] = {}  # Shape outputs with some symbolic dims (None)
         remaining = []
         for node in nodes:
-            values = _fold(node, known, shapes, opset) if not set(node.output) & outputs else None
+            values = _fold(node, known, shapes, partial, opset) if not set(node.output) & outputs else None
             if values is None:
                 remaining.append(node)
                 continue
@@ -80,19 +81,31 @@ def prepare_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
     return prepared
 
 
-def _fold(node, known, shapes, opset) -> list[np.ndarray] | None:
-    """The node's output values if they are static and small, else None."""
+def _fold(node, known, shapes, partial, opset) -> list[np.ndarray] | None:
+    """The node's output values if they are static and small, else None.
+
+    ``Shape`` of a tensor with symbolic dims records its partly known value in ``partial``, so
+    that a ``Gather`` of static dims from it (a dynamic-batch model asking for its channels) folds.
+    """
     if node.domain not in ("", "ai.onnx") or node.op_type in _NOT_FOLDABLE:
         return None
     if node.op_type in ("Shape", "Size") and node.input[0] not in known:
         shape = shapes.get(node.input[0])
         if shape is None:
             return None
-        if node.op_type == "Size":
-            return [np.array(_numel(shape), np.int64)]
-        attrs = {a.name: a.i for a in node.attribute}
-        start, end = attrs.get("start", 0), attrs.get("end", len(shape))
-        return [np.array(shape[start:end] if "end" in attrs else shape[start:], np.int64)]
+        if node.op_type == "Shape":
+            attrs = {a.name: a.i for a in node.attribute}
+            shape = shape[attrs.get("start", 0) : attrs["end"] if "end" in attrs else len(shape)]
+        if None in shape:
+            if node.op_type == "Shape":
+                partial[node.output[0]] = list(shape)
+            return None
+        return [np.array(_numel(shape) if node.op_type == "Size" else shape, np.int64)]
+    if node.op_type == "Gather" and node.input[0] in partial and node.input[1] in known:
+        picked = np.take(np.array(partial[node.input[0]], dtype=object), known[node.input[1]])
+        if any(d is None for d in np.ravel(picked)):
+            return None
+        return [np.asarray(picked, dtype=np.int64)]
     if not all(i == "" or i in known for i in node.input):
         return None
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
@@ -108,8 +121,9 @@ def _fold(node, known, shapes, opset) -> list[np.ndarray] | None:
     return values
 
 
-def _static_shapes(model, nodes, known, big) -> dict[str, tuple[int, ...]]:
-    """Static shapes of every value, from ONNX shape inference on a copy without the weights' data."""
+def _inferred_shapes(model, nodes, known, big) -> dict[str, tuple]:
+    """Shapes of every value (ints, None where symbolic), from ONNX shape inference on a copy
+    without the weights' data."""
     graph = model.graph
     read = {i for n in nodes for i in n.input}
     sketch = helper.make_graph(
@@ -139,9 +153,7 @@ def _static_shapes(model, nodes, known, big) -> dict[str, tuple[int, ...]]:
         ttype = value.type.tensor_type
         if not ttype.HasField("shape"):
             continue
-        dims = ttype.shape.dim
-        if all(d.HasField("dim_value") for d in dims):
-            shapes[value.name] = tuple(d.dim_value for d in dims)
+        shapes[value.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim)
     for init in graph.initializer:
         shapes[init.name] = tuple(init.dims)
     return shapes

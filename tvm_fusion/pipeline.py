@@ -2,6 +2,8 @@
 
 Order, and why:
 
+0. ``BindUnknownShapes``: a tensor whose shape depends on data (a slice with run-time bounds) gets
+   symbolic dims, or FoldConstant and LegalizeOps cannot lower anything downstream of it.
 1. ``FoldBatchNorm`` + ``FoldConstant``: BN disappears into conv/matmul weights before anything
    counts ops, so fusion and layout see the real compute graph.
 2. ``CanonicalizeActivations``: exporters spell GELU/SiLU as erf/sigmoid arithmetic; one op fuses
@@ -76,6 +78,7 @@ def pipeline_passes(
     """
     from .passes import (
         ApplyFusionPolicy,
+        BindUnknownShapes,
         CanonicalizeActivations,
         FoldBatchNorm,
         HorizontalFuse,
@@ -86,7 +89,7 @@ def pipeline_passes(
     target = parse_target(target)
     policy = FusionPolicy.coerce(policy)
     horizontal = policy.horizontal if horizontal is None else horizontal
-    passes: list[tvm.transform.Pass] = []
+    passes: list[tvm.transform.Pass] = [BindUnknownShapes()]
     if fold_batch_norm:
         passes += [FoldBatchNorm(), relax.transform.FoldConstant()]
     passes.append(CanonicalizeActivations())

@@ -20,6 +20,7 @@ from tvm.s_tir import dlight as dl
 from ..targets import is_gpu
 from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, cpu_rules
 from .fast_gelu import fast_gelu, fast_gelu_enabled, set_fast_gelu  # registers the GELU legalization
+from .prepack import SplitWeightPrepack
 
 
 def _target(target):
@@ -63,7 +64,7 @@ def default_schedule_passes(target, prepack: bool = True) -> list[tvm.transform.
         return [dl.ApplyDefaultSchedule(*cpu_rules(prepack=False))]
     return [
         dl.ApplyDefaultSchedule(*default_rules(target)),
-        relax.transform.SplitLayoutRewritePreproc(),
+        SplitWeightPrepack(),
         relax.transform.FoldConstant(),
         relax.transform.DeadCodeElimination(),
     ]
@@ -89,6 +90,7 @@ __all__ = [
     "Injective",
     "ParallelFallback",
     "RowReduction",
+    "SplitWeightPrepack",
     "WindowReduction",
     "apply_default_schedules",
     "cpu_rules",
