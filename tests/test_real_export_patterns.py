@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from conftest import ort_run
+from conftest import ort_run, requires_gpu
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -261,6 +261,34 @@ def test_a_genuinely_dynamic_slice_builds_and_runs():
         feeds = image_feeds(height)
         ours, reference = _run_ours(model, feeds), ort_run(model, feeds)
         np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+PATTERNS = {
+    "attention_mask": (hf_attention_mask, attention_feeds),
+    "shufflenet_chunk": (shufflenet_chunk, image_feeds),
+    "dynamic_slice": (lambda: shufflenet_chunk(height="h", axis=2), image_feeds),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PATTERNS))
+def cuda_pattern(request, tmp_path_factory):
+    make_model, make_feeds = PATTERNS[request.param]
+    model = make_model()
+    result = tvm_fusion.build(model, {"kind": "cuda", "arch": "sm_80"}, tuning_logs=None)
+    path = result.export(tmp_path_factory.mktemp("cuda") / f"{request.param}.so")
+    return model, make_feeds(), path
+
+
+def test_patterns_build_and_export_for_cuda(cuda_pattern):
+    _, _, path = cuda_pattern
+    assert path.stat().st_size > 10_000
+
+
+@requires_gpu
+def test_patterns_match_ort_on_cuda(cuda_pattern):
+    model, feeds, path = cuda_pattern
+    loaded = tvm_fusion.load(path)
+    np.testing.assert_allclose(loaded(*feeds.values()), ort_run(model, feeds), rtol=1e-4, atol=1e-5)
 
 
 # -- the preparation step ----------------------------------------------------------------------
