@@ -126,6 +126,7 @@ def _inferred_shapes(model, nodes, known, big) -> dict[str, tuple]:
     without the weights' data."""
     graph = model.graph
     read = {i for n in nodes for i in n.input}
+    declared = {v.name for v in graph.input}  # old exporters list initializers as inputs too
     sketch = helper.make_graph(
         nodes,
         graph.name,
@@ -133,7 +134,7 @@ def _inferred_shapes(model, nodes, known, big) -> dict[str, tuple]:
         + [
             helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
             for i in graph.initializer
-            if i.name in big
+            if i.name in big and i.name not in declared
         ],
         list(graph.output),
         initializer=[
