@@ -418,6 +418,7 @@ def write_report(results: dict, md: Path, png: Path) -> None:
             )
             lines.append(f"- {r['model']} ({r['exporter']}): {top}")
     md.write_text("\n".join(lines) + "\n")
+    md.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     _plot(rows, png)
 
 
@@ -563,7 +564,7 @@ def parser() -> argparse.ArgumentParser:
     commands = [
         ("export", cmd_export, "export the zoo to the cache folder"),
         ("run", cmd_run, "build, check and time the zoo; writes docs/zoo.md"),
-        ("report", cmd_report, "rewrite docs/zoo.md and docs/zoo.png from the stored results"),
+        ("report", cmd_report, "rewrite docs/zoo.md, .json and .png from the stored results"),
         ("one", cmd_one, "(internal) one model and exporter, in a child process"),
     ]
     for name, func, help_text in commands:
