@@ -344,7 +344,7 @@ def _ok(row: dict, target: str) -> bool:
     return "cuda_error" not in row and row.get("cuda_build_s") is not None
 
 
-def write_report(results: dict, md: Path, png: Path) -> None:
+def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
     import onnxruntime
     import tvm
 
@@ -368,7 +368,7 @@ def write_report(results: dict, md: Path, png: Path) -> None:
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other "
         f"work while measured (timings are noisy; ratios come from ORT and ours timed side by side in one "
         f"process, interleaved, {threads or 'all'} threads each). TVM {tvm.__version__}, ONNX Runtime "
-        f"{onnxruntime.__version__}. Dates per row are in the results file.",
+        f"{onnxruntime.__version__}. Dates per row are in the results file.{(' ' + note) if note else ''}",
         "",
         f"**Summary:** {n} of {expected} model/exporter pairs run; llvm build + numerics within "
         f"{REL_TOL:g} relative: **{llvm_ok}/{n}**; CUDA build + export: **{cuda_ok}/{n}**.",
@@ -506,7 +506,7 @@ def cmd_run(args) -> int:
             row = _run_child(name, exporter, args, targets)
             store_result(args.cache, row)
             print(f"{key}: {json.dumps({k: v for k, v in row.items() if k != 'top_kernels'})}", flush=True)
-    write_report(load_results(args.cache), args.out, args.out.with_suffix(".png"))
+    write_report(load_results(args.cache), args.out, args.out.with_suffix(".png"), args.note)
     print(f"wrote {args.out}", flush=True)
     return 0
 
@@ -553,7 +553,7 @@ def cmd_one(args) -> int:
 
 
 def cmd_report(args) -> int:
-    write_report(load_results(args.cache), args.out, args.out.with_suffix(".png"))
+    write_report(load_results(args.cache), args.out, args.out.with_suffix(".png"), args.note)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
@@ -580,6 +580,7 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--runs", type=int, default=15, help="timed runs of each side (default 15)")
         if name in ("run", "report"):
             s.add_argument("--out", type=Path, default=REPO / "docs" / "zoo.md")
+            s.add_argument("--note", default="", help="a sentence for the report's header (machine load ...)")
         s.add_argument("-v", "--verbose", action="store_true")
     sub.choices["export"].add_argument("--force", action="store_true", help="re-export existing files")
     sub.choices["run"].add_argument("--resume", action="store_true", help="skip pairs already in the results")
