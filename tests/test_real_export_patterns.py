@@ -9,6 +9,7 @@ with ONNX Runtime. The tests marked ``zoo`` run real exports (scripts/zoo.py) wh
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -336,6 +337,7 @@ def _zoo_script():
     path = Path(__file__).resolve().parent.parent / "scripts" / "zoo.py"
     spec = importlib.util.spec_from_file_location("zoo_script", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
