@@ -17,6 +17,7 @@ from tvm_fusion.schedules import (
     Injective,
     ParallelFallback,
     RowReduction,
+    TunableMatmul,
     WindowReduction,
     apply_default_schedules,
     default_rules,
@@ -412,7 +413,7 @@ def test_fallback_parallelizes_a_reduction_without_splitting_it():
 def test_default_rules_per_target():
     cuda = default_rules({"kind": "cuda", "arch": "sm_80"})
     assert [type(r) for r in cuda] == [
-        dl.gpu.Matmul,
+        TunableMatmul,  # dl.gpu.Matmul with its config as knobs
         dl.gpu.GEMV,
         dl.gpu.Reduction,
         dl.gpu.GeneralReduction,

@@ -124,8 +124,10 @@ def build(
         )
         note, status = str(report), report.status
     stages = pipeline_stages(target, policy, database=database, **options)
-    mod = run_passes(imported.mod, stages.rewrite + stages.fuse + stages.tuned, target, imported.name)
-    tuned = _scheduled_count(mod)  # only tuned records have scheduled anything yet
+    mod = run_passes(imported.mod, stages.rewrite + stages.fuse, target, imported.name)
+    ready = _scheduled_count(mod)  # kernels that come scheduled (fused attention)
+    mod = run_passes(mod, stages.tuned, target, imported.name)
+    tuned = _scheduled_count(mod) - ready
     mod = run_passes(mod, stages.default, target, imported.name)
     try:
         executable = tvm.compile(mod, target=target)

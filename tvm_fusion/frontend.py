@@ -12,10 +12,11 @@ import onnx
 import tvm
 import tvm_ffi
 from tvm import relax
-from tvm.relax.frontend.onnx import from_onnx
 
 from . import models
 from .errors import ModelLoadError, TvmFusionError, UnsupportedOpError, last_line
+from .onnx_import import from_onnx
+from .onnx_prepare import prepare_onnx
 
 # The Relax ONNX frontend implements converters back to opset 1 for most ops, but models older
 # than opset 7 use semantics (e.g. BatchNormalization's spatial/is_test attrs) it does not model.
@@ -148,7 +149,11 @@ def check_onnx(model: onnx.ModelProto, where: str = "model") -> None:
 
 
 def import_onnx(source, name: str | None = None) -> ImportedModel:
-    """Load (path or ModelProto), check and convert an ONNX model to a Relax IRModule."""
+    """Load (path or ModelProto), check and convert an ONNX model to a Relax IRModule.
+
+    Static shape arithmetic is folded first (:func:`prepare_onnx`); the model hash is taken on the
+    model as given, so tuning records stay keyed by the user's file.
+    """
     if isinstance(source, onnx.ModelProto):
         model, where = source, name or source.graph.name or "model"
     else:
@@ -158,7 +163,9 @@ def import_onnx(source, name: str | None = None) -> ImportedModel:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            mod = from_onnx(model, keep_params_in_input=False)
+            mod = from_onnx(prepare_onnx(model))
+        except TvmFusionError as err:
+            raise type(err)(f"{where}: {err}") from None
         except Exception as err:
             raise ModelLoadError(f"{where}: the Relax ONNX frontend failed: {last_line(err)}") from None
     return ImportedModel(

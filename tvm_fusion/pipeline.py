@@ -2,6 +2,8 @@
 
 Order, and why:
 
+0. ``BindUnknownShapes``: a tensor whose shape depends on data (a slice with run-time bounds) gets
+   symbolic dims, or FoldConstant and LegalizeOps cannot lower anything downstream of it.
 1. ``FoldBatchNorm`` + ``FoldConstant``: BN disappears into conv/matmul weights before anything
    counts ops, so fusion and layout see the real compute graph.
 2. ``CanonicalizeActivations``: exporters spell GELU/SiLU as erf/sigmoid arithmetic; one op fuses
@@ -31,6 +33,7 @@ from .errors import TvmFusionError, last_line
 from .legalize import register as register_legalizations
 from .passes import (
     ApplyFusionPolicy,
+    BindUnknownShapes,
     CanonicalizeActivations,
     FoldBatchNorm,
     FuseAttention,
@@ -93,7 +96,7 @@ def pipeline_stages(
     register_legalizations()  # LegalizeOps below lowers NCHW{c} convs and GELU our way
     horizontal = policy.horizontal if horizontal is None else horizontal
     attention = policy.attention if attention is None else attention
-    rewrite: list[tvm.transform.Pass] = []
+    rewrite: list[tvm.transform.Pass] = [BindUnknownShapes()]
     if fold_batch_norm:
         rewrite += [FoldBatchNorm(), relax.transform.FoldConstant()]
     rewrite.append(CanonicalizeActivations())

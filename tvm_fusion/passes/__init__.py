@@ -1,6 +1,7 @@
 """tvm_fusion's Relax passes, one per module; each is a ``tvm.transform.Pass`` usable on its own."""
 
 from .apply_fusion_policy import ApplyFusionPolicy, explain, plan_module
+from .bind_unknown_shapes import BindUnknownShapes
 from .canonicalize_activations import CanonicalizeActivations
 from .fold_batch_norm import FoldBatchNorm
 from .fuse_attention import FuseAttention, attention_decisions
@@ -9,6 +10,7 @@ from .rewrite_layout import RewriteLayout, count_layout_transforms
 
 __all__ = [
     "ApplyFusionPolicy",
+    "BindUnknownShapes",
     "CanonicalizeActivations",
     "FoldBatchNorm",
     "FuseAttention",

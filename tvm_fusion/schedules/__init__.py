@@ -21,6 +21,7 @@ from ..targets import is_gpu, parse_target
 from .attention import LowerAttention, attention_kernel
 from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, cpu_rules
 from .gpu_matmul import TunableMatmul
+from .prepack import SplitWeightPrepack
 
 
 def _target(target):
@@ -60,7 +61,7 @@ def default_schedule_passes(target, prepack: bool = True) -> list[tvm.transform.
         return [dl.ApplyDefaultSchedule(*cpu_rules(prepack=False))]
     return [
         dl.ApplyDefaultSchedule(*default_rules(target)),
-        relax.transform.SplitLayoutRewritePreproc(),
+        SplitWeightPrepack(),
         relax.transform.FoldConstant(),
         relax.transform.DeadCodeElimination(),
     ]
@@ -89,6 +90,7 @@ __all__ = [
     "ParallelFallback",
     "RowReduction",
     "TunableMatmul",
+    "SplitWeightPrepack",
     "WindowReduction",
     "apply_default_schedules",
     "cpu_rules",

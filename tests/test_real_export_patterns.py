@@ -1,0 +1,356 @@
+"""Handwritten reproducers of what real torch exports write, each of which once failed to import or build.
+
+Each graph copies a node pattern of a real TorchScript export (ops, constants and node names as the
+exporter writes them, shrunk to a few channels); the test builds it with the whole pipeline and compares
+with ONNX Runtime. The tests marked ``zoo`` run real exports (scripts/zoo.py) when torch is installed:
+``pytest -m zoo``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from conftest import ort_run, requires_gpu
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+
+import tvm_fusion
+from tvm_fusion.frontend import import_onnx, model_hash
+from tvm_fusion.onnx_import import ImportNodeError, from_onnx
+from tvm_fusion.onnx_prepare import prepare_onnx
+
+S = 8  # sequence length of the attention pattern
+
+
+def _const(name: str, value, dtype=None) -> onnx.NodeProto:
+    array = np.asarray(value, dtype=dtype)
+    return helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(array))
+
+
+def _model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "pattern", inputs, outputs, initializer=list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def _weight(name: str, *shape, seed: int = 0) -> onnx.TensorProto:
+    rng = np.random.default_rng(seed)
+    return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+
+
+def _run_ours(model, feeds, target="llvm") -> np.ndarray:
+    result = tvm_fusion.build(model, target, tuning_logs=None)
+    vm = relax.VirtualMachine(result.executable, tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(v) for v in feeds.values()]).numpy()
+
+
+def _assert_matches_ort(model, feeds) -> None:
+    ours, reference = _run_ours(model, feeds), ort_run(model, feeds)
+    assert ours.shape == reference.shape
+    rel = float(np.max(np.abs(ours - reference)) / np.max(np.abs(reference)))
+    assert rel <= 1e-5, f"max rel err {rel:.2e} against ONNX Runtime"
+
+
+def hf_attention_mask() -> onnx.ModelProto:
+    """The TorchScript exporter's Hugging Face attention-mask code (BERT/RoBERTa/GPT-2/T5).
+
+    ``ConstantOfShape`` of an EMPTY shape (a scalar ``True``) ``And``-ed with the mask, then the
+    exporter's ``Expand`` shape fix-up (``Where(Equal(shape, -1 * ones), ones, shape)``), a
+    ``Where`` into an additive bias, added to attention scores and soft-maxed.
+    """
+    nodes = [
+        helper.make_node("Cast", ["attention_mask"], ["mask_bool"], name="/model/Cast", to=TensorProto.BOOL),
+        _const("/model/Constant_output_0", np.zeros(0, np.int64)),
+        helper.make_node(
+            "ConstantOfShape",
+            ["/model/Constant_output_0"],
+            ["always"],
+            name="/model/ConstantOfShape",
+            value=helper.make_tensor("value", TensorProto.BOOL, [1], [True]),
+        ),
+        _const("/model/Constant_1_output_0", np.int64(3)),
+        _const("/model/Constant_2_output_0", np.int64(0)),
+        helper.make_node(
+            "GreaterOrEqual",
+            ["/model/Constant_1_output_0", "/model/Constant_2_output_0"],
+            ["ge"],
+            name="/model/GreaterOrEqual",
+        ),
+        helper.make_node("Cast", ["ge"], ["ge_bool"], name="/model/Cast_1", to=TensorProto.BOOL),
+        helper.make_node("And", ["always", "ge_bool"], ["scalar_and"], name="/model/And"),
+        _const("/model/Constant_3_output_0", np.array([1, 1, 1, S], np.int64)),
+        helper.make_node(
+            "Reshape", ["mask_bool", "/model/Constant_3_output_0"], ["mask4"], name="/model/Reshape"
+        ),
+        helper.make_node("And", ["scalar_and", "mask4"], ["keep"], name="/model/And_1"),
+        _const("/model/Constant_7_output_0", np.array([1, -1, S, S], np.int64)),
+        _const("/model/Constant_8_output_0", np.array([4], np.int64)),
+        helper.make_node(
+            "ConstantOfShape",
+            ["/model/Constant_8_output_0"],
+            ["ones4"],
+            name="/model/ConstantOfShape_1",
+            value=helper.make_tensor("value", TensorProto.INT64, [1], [1]),
+        ),
+        _const("/model/Constant_9_output_0", np.int64(-1)),
+        helper.make_node("Mul", ["ones4", "/model/Constant_9_output_0"], ["neg"], name="/model/Mul_1"),
+        helper.make_node("Equal", ["/model/Constant_7_output_0", "neg"], ["is_free"], name="/model/Equal"),
+        helper.make_node(
+            "Where", ["is_free", "ones4", "/model/Constant_7_output_0"], ["expand_shape"], name="/model/Where"
+        ),
+        helper.make_node("Expand", ["keep", "expand_shape"], ["keep_full"], name="/model/Expand"),
+        _const("/model/zero", np.float32(0.0)),
+        _const("/model/minus_big", np.float32(-1e4)),
+        helper.make_node(
+            "Where", ["keep_full", "/model/zero", "/model/minus_big"], ["bias"], name="/model/Where_1"
+        ),
+        helper.make_node("Add", ["scores", "bias"], ["masked"], name="/model/Add"),
+        helper.make_node("Softmax", ["masked"], ["probs"], name="/model/Softmax", axis=-1),
+    ]
+    return _model(
+        nodes,
+        [
+            helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 1, S, S]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, S]),
+        ],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, 1, S, S])],
+    )
+
+
+def attention_feeds():
+    rng = np.random.default_rng(1)
+    mask = np.ones((1, S), np.int64)
+    mask[0, -3:] = 0  # padding: the mask must change the result
+    return {"scores": rng.standard_normal((1, 1, S, S)).astype(np.float32), "attention_mask": mask}
+
+
+def shufflenet_chunk(height="6", axis: int = 1) -> onnx.ModelProto:
+    """torchvision ShuffleNetV2's ``x.chunk(2, dim=1)`` + channel shuffle, as TorchScript writes it.
+
+    The split point is computed at run time: ``Shape`` -> ``Gather`` -> ``Add`` -> ``Div`` ->
+    ``Mul`` feeding ``Slice`` ends, then a conv branch, ``Concat`` and the reshape/transpose shuffle.
+    ``height`` is "6" (static, as exported) or "h" (symbolic); with ``axis=2`` the split is along
+    the symbolic height, so its point is known only at run time.
+    """
+    c = 8
+    half = c // 2 if axis == 1 else c
+    nodes = [
+        helper.make_node("Conv", ["x", "w0", "b0"], ["y"], name="/stage2.0/Conv", kernel_shape=[1, 1]),
+        helper.make_node("Relu", ["y"], ["r"], name="/stage2.0/Relu"),
+        helper.make_node("Shape", ["r"], ["shape"], name="/stage2.1/Shape"),
+        _const("/stage2.1/Constant_output_0", np.array([axis], np.int64)),
+        helper.make_node(
+            "Gather", ["shape", "/stage2.1/Constant_output_0"], ["ch"], name="/stage2.1/Gather", axis=0
+        ),
+        _const("/stage2.1/Constant_1_output_0", np.array([0], np.int64)),
+        _const("/stage2.1/Constant_2_output_0", np.array([1], np.int64)),
+        helper.make_node("Add", ["ch", "/stage2.1/Constant_2_output_0"], ["ch1"], name="/stage2.1/Add"),
+        _const("/stage2.1/Constant_3_output_0", np.array([2], np.int64)),
+        helper.make_node("Div", ["ch1", "/stage2.1/Constant_3_output_0"], ["split"], name="/stage2.1/Div"),
+        _const("/stage2.1/Constant_4_output_0", np.array([1], np.int64)),
+        helper.make_node("Mul", ["split", "/stage2.1/Constant_4_output_0"], ["end0"], name="/stage2.1/Mul"),
+        helper.make_node(
+            "Slice",
+            ["r", "/stage2.1/Constant_1_output_0", "end0", "/stage2.1/Constant_output_0"],
+            ["left"],
+            name="/stage2.1/Slice",
+        ),
+        _const("/stage2.1/Constant_5_output_0", np.array([2], np.int64)),
+        helper.make_node("Mul", ["split", "/stage2.1/Constant_5_output_0"], ["end1"], name="/stage2.1/Mul_1"),
+        helper.make_node(
+            "Slice", ["r", "end0", "end1", "/stage2.1/Constant_output_0"], ["right"], name="/stage2.1/Slice_1"
+        ),
+        helper.make_node(
+            "Conv", ["right", "w1", "b1"], ["branch"], name="/branch2.0/Conv", kernel_shape=[1, 1]
+        ),
+        helper.make_node("Relu", ["branch"], ["branch_r"], name="/branch2.2/Relu"),
+        helper.make_node("Concat", ["left", "branch_r"], ["cat"], name="/stage2.1/Concat", axis=axis),
+    ]
+    if axis == 1 and height == "6":  # the shuffle, with the static shapes the exporter writes
+        nodes += [
+            _const("/stage2.1/Constant_6_output_0", np.array([1, 2, half, 6, 6], np.int64)),
+            helper.make_node(
+                "Reshape", ["cat", "/stage2.1/Constant_6_output_0"], ["grouped"], name="/stage2.1/Reshape"
+            ),
+            helper.make_node(
+                "Transpose", ["grouped"], ["shuffled"], name="/stage2.1/Transpose", perm=[0, 2, 1, 3, 4]
+            ),
+            _const("/stage2.1/Constant_7_output_0", np.array([1, c, 6, 6], np.int64)),
+            helper.make_node(
+                "Reshape", ["shuffled", "/stage2.1/Constant_7_output_0"], ["out"], name="/stage2.1/Reshape_1"
+            ),
+        ]
+    else:
+        nodes.append(helper.make_node("Relu", ["cat"], ["out"], name="/stage2.1/Relu"))
+    dims = [1, c, height if height != "6" else 6, 6]
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, dims)],
+        [_weight("w0", c, c, 1, 1), _weight("b0", c, seed=1), _weight("w1", half, half, 1, 1, seed=2)]
+        + [_weight("b1", half, seed=3)],
+    )
+
+
+def image_feeds(height=6):
+    return {"x": np.random.default_rng(2).standard_normal((1, 8, height, 6)).astype(np.float32)}
+
+
+# -- the patterns fail in stock TVM 0.27 ----------------------------------------------------------
+def test_stock_frontend_fails_on_the_attention_mask_pattern():
+    """The TVM defect the fix is for (if a TVM upgrade fixes it, this test says so)."""
+    from tvm.relax.frontend.onnx import from_onnx as stock_from_onnx
+
+    with pytest.raises(Exception, match="broadcast_to"):
+        stock_from_onnx(hf_attention_mask(), keep_params_in_input=False)
+
+
+def test_stock_import_of_the_chunk_pattern_leaves_a_dynamic_slice():
+    from tvm.relax.frontend.onnx import from_onnx as stock_from_onnx
+
+    assert "dynamic_strided_slice" in stock_from_onnx(shufflenet_chunk(), keep_params_in_input=False).script()
+
+
+# -- and match ONNX Runtime through tvm_fusion ----------------------------------------------------
+def test_hf_attention_mask_pattern_matches_ort():
+    _assert_matches_ort(hf_attention_mask(), attention_feeds())
+
+
+def test_constant_of_shape_converter_alone_handles_an_empty_shape():
+    """Without the ONNX-level folding, the corrected converter still imports the scalar fill."""
+    mod = from_onnx(hf_attention_mask())
+    ours = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())["main"](
+        *[tvm.runtime.tensor(v) for v in attention_feeds().values()]
+    )
+    np.testing.assert_allclose(
+        ours.numpy(), ort_run(hf_attention_mask(), attention_feeds()), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_shufflenet_chunk_pattern_matches_ort():
+    _assert_matches_ort(shufflenet_chunk(), image_feeds())
+
+
+def test_shape_arithmetic_is_folded_into_a_static_slice():
+    imported = import_onnx(shufflenet_chunk())
+    text = imported.mod.script()
+    assert "dynamic_strided_slice" not in text and "R.strided_slice" in text
+
+
+def test_static_dims_of_a_partly_symbolic_shape_fold():
+    """Channels of a tensor with a symbolic height are still known: the chunk becomes static."""
+    model = shufflenet_chunk(height="h")
+    assert "dynamic_strided_slice" not in import_onnx(model).mod.script()
+    for height in (6, 10):
+        feeds = image_feeds(height)
+        np.testing.assert_allclose(_run_ours(model, feeds), ort_run(model, feeds), rtol=1e-5, atol=1e-5)
+
+
+def test_a_genuinely_dynamic_slice_builds_and_runs():
+    """A split point computed from a symbolic dim stays dynamic; the pipeline must not crash on it."""
+    model = shufflenet_chunk(height="h", axis=2)
+    assert "dynamic_strided_slice" in import_onnx(model).mod.script()
+    for height in (6, 10):
+        feeds = image_feeds(height)
+        ours, reference = _run_ours(model, feeds), ort_run(model, feeds)
+        np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+PATTERNS = {
+    "attention_mask": (hf_attention_mask, attention_feeds),
+    "shufflenet_chunk": (shufflenet_chunk, image_feeds),
+    "dynamic_slice": (lambda: shufflenet_chunk(height="h", axis=2), image_feeds),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PATTERNS))
+def cuda_pattern(request, tmp_path_factory):
+    make_model, make_feeds = PATTERNS[request.param]
+    model = make_model()
+    result = tvm_fusion.build(model, {"kind": "cuda", "arch": "sm_80"}, tuning_logs=None)
+    path = result.export(tmp_path_factory.mktemp("cuda") / f"{request.param}.so")
+    return model, make_feeds(), path
+
+
+def test_patterns_build_and_export_for_cuda(cuda_pattern):
+    _, _, path = cuda_pattern
+    assert path.stat().st_size > 10_000
+
+
+@requires_gpu
+def test_patterns_match_ort_on_cuda(cuda_pattern):
+    model, feeds, path = cuda_pattern
+    loaded = tvm_fusion.load(path)
+    np.testing.assert_allclose(loaded(*feeds.values()), ort_run(model, feeds), rtol=1e-4, atol=1e-5)
+
+
+# -- the preparation step ----------------------------------------------------------------------
+def test_prepare_returns_a_model_with_nothing_to_fold_unchanged():
+    model = _model(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    assert prepare_onnx(model) is model
+
+
+def test_prepare_folds_shape_arithmetic_but_not_weights_and_leaves_the_input_model_alone():
+    model = shufflenet_chunk()
+    before = model.SerializeToString()
+    prepared = prepare_onnx(model)
+    assert model.SerializeToString() == before
+    ops = [n.op_type for n in prepared.graph.node]
+    assert not {"Shape", "Gather", "Div", "Constant"} & set(ops)
+    assert ops.count("Conv") == 2 and ops.count("Slice") == 2
+    assert {i.name for i in model.graph.initializer} <= {i.name for i in prepared.graph.initializer}
+
+
+def test_model_hash_is_the_users_model():
+    """Tuning records are keyed by the hash of the file the user has, not of the folded model."""
+    model = hf_attention_mask()
+    assert import_onnx(model).model_hash == model_hash(model)
+
+
+def test_frontend_failure_names_the_node():
+    model = _model(
+        [
+            _const("target_shape", np.array([5], np.int64)),
+            helper.make_node("Reshape", ["x", "target_shape"], ["y"], name="/encoder/bad_reshape"),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5])],
+    )
+    with pytest.raises(ImportNodeError, match=r"node '/encoder/bad_reshape' \(Reshape, outputs \['y'\]\)"):
+        import_onnx(model)
+
+
+# -- real exports (torch installed: pytest -m zoo) ----------------------------------------------
+def _zoo_script():
+    path = Path(__file__).resolve().parent.parent / "scripts" / "zoo.py"
+    spec = importlib.util.spec_from_file_location("zoo_script", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize(
+    "name, exporter",
+    [("shufflenet_v2_x1_0", "torchscript"), ("distilbert", "torchscript"), ("squeezenet1_1", "dynamo")],
+)
+def test_real_export_builds_and_matches_ort(name, exporter, tmp_path):
+    pytest.importorskip("torch", reason="the zoo extra (torch, torchvision, transformers) is not installed")
+    pytest.importorskip("transformers", reason="the zoo extra (transformers) is not installed")
+    zoo = _zoo_script()
+    path = zoo.export(name, exporter, tmp_path)
+    model = onnx.load(str(path))
+    _assert_matches_ort(model, zoo.feeds_for(model))
