@@ -537,6 +537,32 @@ def test_interrupted_tuning_resumes_without_redoing_trials(ms_ready, cpu, tmp_pa
     )
 
 
+@pytest.mark.slow
+def test_time_budget_ends_tasks_and_a_rerun_goes_on(ms_ready, cpu, tmp_path):
+    """``time_budget_s`` (tvm-fusion tune --minutes) spreads a wall-time budget over the tasks; a
+    task stopped by it is not marked at budget, so the next run continues it."""
+    model = _tiny_model((16, 32, 16))
+    imported, mod = _fused(model, cpu)
+    kw = dict(
+        model_name=imported.name,
+        model_hash=imported.model_hash,
+        log_root=tmp_path,
+        progress=False,
+        trials=10_000,
+        num_trials_per_iter=2,
+        check_default=False,
+    )
+    first = tuning.tune(mod, cpu, time_budget_s=20, **kw)
+    assert first.elapsed_s < 20 + 120  # it stopped (a hang guard, not a speed check)
+    assert all(t.trials >= 1 for t in first.tasks)  # every task got a share
+    manifest = json.loads((first.record_dir / tuning.MANIFEST_FILE).read_text())
+    assert all(e["budget"] < 10_000 for e in manifest["tasks"].values())  # none marked done
+    second = tuning.tune(mod, cpu, time_budget_s=15, **kw)
+    assert second.new_trials > 0 and second.total_trials > first.total_trials
+    with pytest.raises(TvmFusionError, match="time budget must be positive"):
+        tuning.tune(mod, cpu, time_budget_s=0, **kw)
+
+
 def test_incompatible_records_are_moved_aside_when_tuning(fabricated, cpu, tmp_path):
     root, imported, path = _copy(fabricated, tmp_path)
     mod = fabricated[2]

@@ -113,6 +113,9 @@ def cmd_explain(args) -> int:
     return 0
 
 
+UNLIMITED_TRIALS = 1_000_000  # with --minutes alone: time, not trials, ends the search
+
+
 def cmd_tune(args) -> int:
     target = parse_target(args.target, cuda_arch=args.arch)
     imported = as_imported(args.model, args.name)
@@ -120,7 +123,8 @@ def cmd_tune(args) -> int:
         imported,
         target,
         policy=args.policy,
-        trials=args.trials,
+        trials=args.trials if args.trials is not None else (UNLIMITED_TRIALS if args.minutes else 64),
+        time_budget_s=None if args.minutes is None else args.minutes * 60,
         log_root=args.tuning_logs,
         rpc=args.rpc,
         builders=args.builders,
@@ -232,7 +236,15 @@ def make_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="tune the fused kernels with Meta-Schedule and store the records")
     _add_model_args(t)
     _add_pipeline_switches(t)
-    t.add_argument("--trials", type=int, default=64, help="total measured trials (default 64)")
+    t.add_argument(
+        "--trials", type=int, default=None, help="total measured trials (default 64; no limit with --minutes)"
+    )
+    t.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="wall-time budget: each kernel gets a share by its FLOPs; a re-run goes on where it stopped",
+    )
     t.add_argument(
         "--trials-per-task",
         type=int,

@@ -18,6 +18,7 @@ from typing import Any
 
 import tvm
 from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.analysis import estimate_tir_flops
 
 from ..errors import TuningRecordError, TvmFusionError
 from ..frontend import as_imported
@@ -151,6 +152,7 @@ def tune(
     check_default: bool = True,
     verify_rounds: int = 5,
     verify_again: bool = False,
+    time_budget_s: float | None = None,
     on_task_done: Callable[[TaskSummary], None] | None = None,
     on_batch: Callable[[TaskSummary], None] | None = None,
     log: Callable[[str], None] | None = None,
@@ -172,6 +174,11 @@ def tune(
     server registered under the key at that TVM RPC tracker (:mod:`.fleet`); fleet records go to
     ``<target-key>@<key>``, apart from local ones.
 
+    ``time_budget_s`` bounds the run's wall time: each task gets a share of what is left, in
+    proportion to its FLOPs x occurrences (a few seconds per task are kept for the check below),
+    and ends after the batch that spends it; a task stopped that way is not at its budget, so a
+    later run goes on with it.
+
     With ``check_default`` (default), each tuned task's best schedule is then timed side by side
     with the task's default schedule (``verify_rounds`` rounds); the manifest keeps both, and the
     build applies only the tuned schedules that won. ``verify_again`` re-times every task.
@@ -184,6 +191,8 @@ def tune(
     say = log or (lambda msg: print(msg, file=sys.stderr))
     if int(trials) < 0:
         raise TvmFusionError(f"trials must be 0 or more, got {trials}")
+    if time_budget_s is not None and not time_budget_s > 0:
+        raise TvmFusionError(f"the time budget must be positive, got {time_budget_s} s")
     tracker = parse_rpc(rpc) if rpc is not None else None
     num_servers = check_can_tune(target, tracker)
     check_environment()
@@ -215,13 +224,21 @@ def tune(
             runner = make_runner(tracker, num_servers, evaluator, timeout_s)
         bar = progress_bar(remaining, progress and remaining > 0)
         search = TaskSearch(rset, search_target, builder, runner, settings, bar, stop, on_batch)
+        deadline = None if time_budget_s is None else start + float(time_budget_s)
+        weights = [_task_cost(t) for t in tasks]
         try:
             for i, (task, summary) in enumerate(zip(tasks, summaries)):
                 if summary.done:
                     continue
                 stop.check()
                 load_tensor_intrinsics()  # TuneContext imports them; only when there is work
-                search.run(task, summary, f"{i + 1}/{len(tasks)}")
+                task_deadline = None
+                if deadline is not None:
+                    left = [j for j in range(i, len(tasks)) if not summaries[j].done]
+                    share = weights[i] / sum(weights[j] for j in left)
+                    spare = deadline - time.time() - VERIFY_RESERVE_S * len(left)
+                    task_deadline = time.time() + max(spare, 0.0) * share
+                search.run(task, summary, f"{i + 1}/{len(tasks)}", task_deadline)
                 if on_task_done is not None:
                     on_task_done(summary)
             bar.close()
@@ -257,6 +274,18 @@ def tune(
     skipped, _ = slower_than_default(rset)
     database = rset.to_database(exclude=skipped)
     return TuneResult(path, summaries, time.time() - start, database=database, messages=messages)
+
+
+VERIFY_RESERVE_S = 4.0  # per task, of a time budget: the side-by-side check with the default
+
+
+def _task_cost(task) -> float:
+    """How much tuning time a task deserves: its FLOPs times how often the model runs it."""
+    try:
+        flops = float(estimate_tir_flops(task.dispatched[0]))
+    except Exception:
+        flops = 0.0
+    return max(flops, 1e6) * max(int(task.weight), 1)
 
 
 class _writable:

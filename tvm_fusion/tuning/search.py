@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from tqdm.auto import tqdm
@@ -26,6 +27,11 @@ from .records import RecordSet, beats_default, is_search_record, mean_secs, work
 from .rule_space import RuleSpaceSearch, SpaceProgress, rule_space
 
 INTERRUPTED_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class TimeUp(Exception):
+    """The task's share of a time budget is spent: it ends after the batch just saved (this is
+    not an interrupt; the next task runs, and a later run can go on with this one)."""
 
 
 @dataclasses.dataclass
@@ -151,10 +157,13 @@ class TaskSearch:
         self.progress: SpaceProgress | None = None  # the rule-space search's, for the manifest
         self._kept: list = []  # the task's records from earlier runs that the database lacks
         self.pending: BaseException | None = None  # raised in a callback, on its way through C++
+        self.deadline: float | None = None
 
-    def run(self, task, summary: TaskSummary, position: str) -> None:
-        """Search until the task's budget is measured, saving as it goes: over our rule's decisions
-        when our rule schedules the kernel (:mod:`.rule_space`), else Meta-Schedule's own space."""
+    def run(self, task, summary: TaskSummary, position: str, deadline: float | None = None) -> None:
+        """Search until the task's budget is measured (or ``deadline``, a ``time.time()``, passes),
+        saving as it goes: over our rule's decisions when a rule with knobs schedules the kernel
+        (:mod:`.rule_space`), else Meta-Schedule's own space."""
+        self.deadline = deadline
         database = ms.database.MemoryDatabase()
         # what is on disk and will not be in the database: every record but the Meta-Schedule
         # search's own, which seed its database below
@@ -177,13 +186,17 @@ class TaskSearch:
             self._seed(database, summary.workload_key)
             generator = "post-order-apply"
             strategy = ms.search_strategy.EvolutionarySearch(population_size=self.settings.population_size)
+        finished = True
         try:
             todo = summary.budget - summary.trials
             if todo > 0:
                 self._search(task, summary, database, todo, position, generator, strategy)
+        except TimeUp:
+            finished = False  # not at its trial budget: a later run goes on with it
         finally:
             self.checkpoint(summary, database)
-        self.rset.manifest["tasks"][summary.workload_key]["budget"] = summary.budget
+        if finished:
+            entry["budget"] = summary.budget
         self.save()
 
     def save(self) -> None:
@@ -218,6 +231,8 @@ class TaskSearch:
         if self.on_batch is not None:
             self.on_batch(summary)
         self.stop.check()
+        if self.deadline is not None and time.time() >= self.deadline:
+            raise TimeUp
 
     def _seed(self, database, key: str) -> None:
         """Give the search the trials it already measured for this task (it starts from the best)."""
