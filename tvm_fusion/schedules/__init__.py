@@ -14,7 +14,7 @@ from tvm import relax
 from tvm.s_tir import dlight as dl
 
 from ..targets import is_gpu, parse_target
-from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, cpu_rules
+from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, Winograd, cpu_rules
 
 
 def _target(target):
@@ -81,6 +81,7 @@ __all__ = [
     "ParallelFallback",
     "RowReduction",
     "WindowReduction",
+    "Winograd",
     "apply_default_schedules",
     "cpu_rules",
     "default_rules",
