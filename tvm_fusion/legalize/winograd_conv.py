@@ -10,9 +10,10 @@ The conv becomes four TE stages, each block annotated ``tvm_fusion.winograd = <s
   schedule marks it a layout-rewrite preproc block and ``SplitLayoutRewritePreproc`` +
   ``FoldConstant`` evaluate it at compile time when the weight is a constant (the kernel then
   takes ``U`` as an argument; nothing of it runs at run time). Summed in float64.
-* ``tiles``: each tile's α×α window of the zero-padded input (padded up to whole tiles), the
-  tiles of a row contiguous;
-* ``input``: ``V[e, ν, c, b, ty, tx] = Σ B[a, e] D[b, c, ty, a, a', tx] B[a', ν]``;
+* ``pad``: the zero-padded input (up to whole tiles) in polyphase layout
+  ``P[b, c, y, r, q] = d[b, c, y, q·m + r]``, so that column ``tx·m + j`` of every tile in a row
+  is a contiguous vector ``P[.., j mod m, tx + j / m]`` over the tiles;
+* ``input``: ``V[e, ν, c, b, ty, tx] = Σ B[a, e] d[b, c, ty·m + a, tx·m + a'] B[a', ν]``;
 * ``gemm``: ``M[e, ν, k, b, ty, tx] = Σ_c U[e, ν, c, k] V[e, ν, c, b, ty, tx]``, a batch of α²
   GEMMs (the only reduction);
 * ``output``: ``Y[b, k, h, w] = Σ A[e, h mod m] M[e, ν, k, b, h / m, w / m] A[ν, w mod m]``, the
@@ -43,6 +44,7 @@ from tvm.topi.nn import winograd_util
 
 STAGE = "tvm_fusion.winograd"  # block annotation: weight / input / gemm / output
 TILE = "tvm_fusion.winograd_tile"  # block annotation on every stage: m
+SIGNATURE = "tvm_fusion.conv_signature"  # block annotation on the gemm stage (tuning groups by it)
 DIRECT = "direct"
 FORMS = {"winograd2": 2, "winograd4": 4}
 ALGORITHMS = (DIRECT, *FORMS)
@@ -84,7 +86,7 @@ def _select(index_vars, cases: dict, dtype):
     return expr
 
 
-def winograd_conv2d_nchw(data, weight, padding, m: int, out_dtype: str | None = None):
+def winograd_conv2d_nchw(data, weight, padding, m: int, out_dtype: str | None = None, signature: str = ""):
     """TE of the Winograd conv (see module docstring); returns the NCHW output tensor."""
     n_, c_, h_, w_ = (int(x) for x in data.shape)
     k_, _, kh_, kw_ = (int(x) for x in weight.shape)
@@ -97,10 +99,20 @@ def winograd_conv2d_nchw(data, weight, padding, m: int, out_dtype: str | None = 
     a_mat, b_mat, g_mat = transform_matrices(m)
     ann = {TILE: m}
 
-    # whole tiles: pad the bottom / right so every tile's α×α window is inside
-    extra_h = nh * m + 2 - (h_ + pt + pb)
-    extra_w = nw * m + 2 - (w_ + pl + pr)
-    data_pad = topi.nn.pad(data, [0, 0, pt, pl], [0, 0, pb + extra_h, pr + extra_w], name="winograd_pad")
+    # the zero-padded input (whole tiles: padded at the bottom / right as needed) in polyphase
+    # layout, P[b, c, y, r, q] = d_pad[b, c, y, q·m + r]: column tx·m + j of a tile row is then
+    # P[.., j mod m, tx + j / m], so the transform below reads whole vectors along the tiles
+    # of a row where the plain layout would need a gather (stride m) per window element
+    rows, phase_len = nh * m + 2, nw + (alpha - 1) // m
+
+    def polyphase(b, c, y, r, q):
+        yy, xx = y - pt, q * m + r - pl
+        inside = tirx.all(yy >= 0, yy < h_, xx >= 0, xx < w_)
+        return tirx.if_then_else(inside, data[b, c, yy, xx], tirx.const(0.0, data.dtype))
+
+    data_pad = te.compute(
+        (n_, c_, rows, m, phase_len), polyphase, name="winograd_pad", attrs={STAGE: "pad", **ann}
+    )
 
     def weight_transform(e, nu, c, k):
         cases = {}
@@ -118,21 +130,15 @@ def winograd_conv2d_nchw(data, weight, padding, m: int, out_dtype: str | None = 
         (alpha, alpha, c_, k_), weight_transform, name="winograd_weight", attrs={STAGE: "weight", **ann}
     )
 
-    # each tile's α×α window, tiles of a row contiguous: the transform below then reads whole
-    # vectors, and every input element is gathered (stride m) once per window, not once per term
-    tiles = te.compute(
-        (n_, c_, nh, alpha, alpha, nw),
-        lambda b, c, ty, i, j, tx: data_pad[b, c, ty * m + i, tx * m + j],
-        name="winograd_tiles",
-        attrs={STAGE: "tiles", **ann},
-    )
-
     def input_transform(e, nu, c, b, ty, tx):
         cases = {}
         for ei in range(alpha):
             for ni in range(alpha):
                 terms = [
-                    (b_mat[i, ei] * b_mat[j, ni], tiles[b, c, ty, i, j, tx].astype(dtype))
+                    (
+                        b_mat[i, ei] * b_mat[j, ni],
+                        data_pad[b, c, ty * m + i, j % m, tx + j // m].astype(dtype),
+                    )
                     for i in range(alpha)
                     for j in range(alpha)
                 ]
@@ -147,7 +153,7 @@ def winograd_conv2d_nchw(data, weight, padding, m: int, out_dtype: str | None = 
         (alpha, alpha, k_, n_, nh, nw),
         lambda e, nu, k, b, ty, tx: te.sum(u[e, nu, rc, k] * v[e, nu, rc, b, ty, tx], axis=[rc]),
         name="winograd_gemm",
-        attrs={STAGE: "gemm", **ann},
+        attrs={STAGE: "gemm", SIGNATURE: signature, **ann},
     )
 
     def output_transform(b, k, h, w):
@@ -179,7 +185,9 @@ def conv_signature(data_shape, weight_shape, padding, dtype) -> str:
     return f"conv2d_nchw/{d}/{w}/pad{p}/{dtype}"
 
 
-_CHOICES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tvm_fusion_conv_algorithms", default=None)
+_CHOICES: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "tvm_fusion_conv_algorithms", default=None
+)
 
 
 @contextlib.contextmanager
@@ -265,5 +273,6 @@ def legalize_conv2d_winograd(bb: relax.BlockBuilder, call: relax.Call):
         conv["padding"],
         m,
         None,
+        signature,
         primfunc_name_hint=f"conv2d_winograd{m}",
     )

@@ -7,9 +7,9 @@ The stages are found by their ``tvm_fusion.winograd`` block annotations (FuseTIR
   ``[e, ν, k / vt, c, vt]``; ``SplitLayoutRewritePreproc`` + ``FoldConstant`` then compute it at
   compile time, so the kernel reads the transformed weight as an argument. Otherwise it runs as a
   parallel stage (correct, slower).
-* ``input`` (V = Bᵀ d B) and the pad: root stages, parallel over channel rows of tiles, the α²
-  transform points unrolled (their coefficient selection folds to constants) and vectorized
-  along the tiles of a row.
+* ``pad`` (polyphase zero padding) and ``input`` (V = Bᵀ d B): root stages; the input transform
+  parallel over channel rows of tiles, the α² transform points unrolled (their coefficient
+  selection folds to constants) and vectorized along the tiles of a row (contiguous loads).
 * ``gemm`` (α² GEMMs over input channels): one parallel loop over (image, tile row, tile-column
   block, output-channel block); inside, per transform point, the channel loop around a register
   micro-kernel: ``rt`` tile columns (broadcast V, contiguous in memory) × ``vt`` output channels
@@ -19,7 +19,9 @@ The stages are found by their ``tvm_fusion.winograd`` block annotations (FuseTIR
   intermediate stays in a small per-task buffer, never in memory at full size; output channels
   vectorized, the m×m positions of a tile unrolled (their coefficients fold).
 
-Tunable decision (:mod:`.knobs`): ``plan``, the cost model's n-th best micro-kernel (vt, rt).
+Tunable decisions (:mod:`.knobs`): ``plan``, the cost model's n-th best micro-kernel (vt, rt);
+``order``, channel blocks or tiles outermost in the parallel task loop; ``blocks``, how many
+micro-kernel tile blocks one task covers (the weight slice is reused from L1 across them).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from .knobs import Knobs
 MAX_ROWS = 8
 MAX_PLAN_CHOICES = 12
 FMA_IN_FLIGHT = 8  # FMA latency x pipes: fewer accumulators leave the pipes idle
+TASK_TILE_BYTES = 96 << 10  # a task's α² accumulator tiles (written once, read by the output)
+MIN_TASKS_PER_CORE = 4
 
 
 def _stage_blocks(sch) -> dict:
@@ -109,7 +113,7 @@ class Winograd(CpuRule):
 
         sch = s_tir.Schedule(func)
         stages = _stage_blocks(sch)
-        if set(stages) != {"weight", "tiles", "input", "gemm", "output"}:
+        if set(stages) != {"weight", "pad", "input", "gemm", "output"}:
             return None
         knobs = self.last_knobs = Knobs(self.knobs, tunable)
         m = int(sch.get(stages["gemm"]).annotations[TILE])
@@ -120,6 +124,10 @@ class Winograd(CpuRule):
         alpha, _, k_ext, b_ext, ty_ext, tx_ext, _ = extents
         plans = micro_kernel_plans(k_ext, tx_ext, b_ext * ty_ext, target)
         vt, rt, cost = plans[knobs.choose(sch, "plan", min(len(plans), MAX_PLAN_CHOICES))]
+        # tile blocks per task: the transformed-weight slice of one transform point (C x vt)
+        # then stays in L1 across them (one block: it streams from L2 for every rt tiles)
+        blocks = _blocks_per_task(alpha, k_ext, b_ext * ty_ext, tx_ext, vt, rt, target)
+        tb = blocks[knobs.choose(sch, "blocks", len(blocks))]
         logger.debug("Winograd F(%d): vt %d rt %d cost %.2f", m, vt, rt, cost)
         lanes = vector_lanes(target, "float32")
 
@@ -142,6 +150,13 @@ class Winograd(CpuRule):
             ("read", u_buf_index),
             tirx.IndexMap.from_func(lambda e, nu, c, k: [e, nu, k // vt, c, k % vt], ndim=4),
         )
+        # V [e, nu, b, ty, c, tx]: a tile row's channels one after the other, so the micro-kernel's
+        # broadcasts (rt tiles of one channel, then the next channel) stream through memory
+        sch.transform_layout(
+            gemm,
+            ("read", 1 - u_buf_index),
+            tirx.IndexMap.from_func(lambda e, nu, c, b, ty, tx: [e, nu, b, ty, c, tx], ndim=6),
+        )
         if self.prepack and weight_param in _layout_free_params(func):
             sch.annotate(weight_blk, LAYOUT_REWRITE_PREPROC, True)
         else:
@@ -152,13 +167,17 @@ class Winograd(CpuRule):
         b_o, k_o, h_o, w_o = sch.get_loops(final)
         k_o, k_i = sch.split(k_o, factors=[None, vt])
         ty, h_i = sch.split(h_o, factors=[None, m])
-        tx_o, w_i = sch.split(w_o, factors=[None, rt * m])
+        tx_o, w_i = sch.split(w_o, factors=[None, tb * rt * m])
         w_t, w_j = sch.split(w_i, factors=[None, m])
         k_v = None
         if vt > lanes and vt % lanes == 0:
             k_i, k_v = sch.split(k_i, factors=[None, lanes])
-        sch.reorder(b_o, ty, tx_o, k_o, *([k_i] if k_v is not None else []), h_i, w_t, w_j, k_v or k_i)
-        par = sch.fuse(b_o, ty, tx_o, k_o)
+        # task order: channel blocks outermost (default): the threads' consecutive tasks share one
+        # transformed-weight panel (α² x C x vt, up to MBs), which then stays in L2 across them;
+        # or tiles outermost: consecutive tasks share the transformed input of their tiles
+        outer = [k_o, b_o, ty, tx_o] if knobs.choose(sch, "order", 2) == 0 else [b_o, ty, tx_o, k_o]
+        sch.reorder(*outer, *([k_i] if k_v is not None else []), h_i, w_t, w_j, k_v or k_i)
+        par = sch.fuse(*outer)
         sch.parallel(par)
         sch.unroll(h_i)
         sch.unroll(w_j)
@@ -168,7 +187,8 @@ class Winograd(CpuRule):
         # ---- GEMM under the task: e, nu / c / rt x vt micro-kernel -----------------------------
         g_loops = sch.get_loops(gemm)[1:]
         e_l, nu_l, gk, gb, gty, gtx, rc_l = g_loops
-        sch.reorder(e_l, nu_l, gb, gty, rc_l, gtx, gk)
+        gtb, gtx = sch.split(gtx, factors=[None, rt])
+        sch.reorder(e_l, nu_l, gb, gty, gtb, rc_l, gtx, gk)
         g_m = None
         if vt > lanes and vt % lanes == 0:
             g_m, gk = sch.split(gk, factors=[None, lanes])
@@ -186,15 +206,13 @@ class Winograd(CpuRule):
         try_primitive(sch.vectorize, sch.get_loops(init)[-1])
 
         # ---- input transform and pad: parallel root stages ---------------------------------
-        self._schedule_input(sch, stages["input"], stages["tiles"], target)
-        for blk in sch.get_producers(stages["tiles"]):
-            schedule_injective_block(sch, blk, target)
+        self._schedule_input(sch, stages["input"], target)
+        schedule_injective_block(sch, stages["pad"], target)
         return sch
 
     @staticmethod
-    def _schedule_input(sch, blk, tiles, target):
-        """(e, nu, c, b, ty, tx) -> parallel(c, b, ty) / tx vector / e, nu unrolled; the row's
-        windows gathered under the same parallel iteration (they stay in L1)."""
+    def _schedule_input(sch, blk, target):
+        """(e, nu, c, b, ty, tx) -> parallel(c, b, ty) / tx vector / e, nu unrolled."""
         e_l, nu_l, c_l, b_l, ty_l, tx_l = sch.get_loops(blk)
         sch.reorder(c_l, b_l, ty_l, tx_l, e_l, nu_l)
         par = sch.fuse(c_l, b_l, ty_l)
@@ -208,11 +226,22 @@ class Winograd(CpuRule):
             tx_o, tx_i = sch.split(tx_l, factors=[None, cands[-1]])
             sch.reorder(tx_o, e_l, nu_l, tx_i)
             try_primitive(sch.vectorize, tx_i)
-        sch.compute_at(tiles, par, preserve_unit_loops=True)
-        t_loops = sch.get_loops(tiles)[1:]
-        if cands and int_extent(sch, t_loops[-1]) == tx_x:
-            t_o, t_i = sch.split(t_loops[-1], factors=[None, cands[-1]])
-            try_primitive(sch.vectorize, t_i)
+
+
+def _blocks_per_task(alpha, channels_out, rows, tile_cols, vt, rt, target) -> list[int]:
+    """Choices of tile blocks (of rt tiles) per task, the model's first: as many as keep the
+    task's α² accumulator tiles within ``TASK_TILE_BYTES`` and leave ``MIN_TASKS_PER_CORE`` tasks
+    per core; then one block."""
+    per_row = tile_cols // rt
+    tasks_per_block = rows * (channels_out // vt)
+    fits = [
+        tb
+        for tb in divisors_upto(per_row, per_row)
+        if alpha * alpha * tb * rt * vt * 4 <= TASK_TILE_BYTES
+        and tasks_per_block * (per_row // tb) >= MIN_TASKS_PER_CORE * num_cores(target)
+    ]
+    best = fits[-1] if fits else 1
+    return [best] + ([1] if best != 1 else [])
 
 
 def _read_index(sch, block, buf) -> int:

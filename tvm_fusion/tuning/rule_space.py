@@ -26,8 +26,12 @@ import tvm
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from ..schedules import Contraction, default_rules
+from ..schedules import Contraction, Winograd, default_rules
 
+# rules whose decisions are knobs (schedules/knobs.py): Winograd conv kernels search their
+# micro-kernel plan; which algorithm a conv uses (direct / Winograd F(2) / F(4)) is decided before
+# legalization, so tuning measures each algorithm's kernel as a task of its own (tuning/driver.py)
+TUNABLE_RULES = (Winograd, Contraction)
 POOL_FACTOR = 4  # unmeasured points scored by the cost model per measured one
 EXPLORE = 0.25  # share of each batch picked at random from the pool
 
@@ -38,6 +42,7 @@ class RuleSpace:
 
     names: list[str]
     counts: list[int]
+    rule: type = Contraction  # the rule class whose knobs these are
 
     @property
     def size(self) -> int:
@@ -54,7 +59,7 @@ class RuleSpace:
         """``(schedule, effective point)`` for a point, or None when the rule declines it. The
         effective point says what was really decided (a knob not asked for under this plan is 0),
         so points that give the same schedule are measured once."""
-        rule = Contraction(knobs=dict(zip(self.names, point)))
+        rule = self.rule(knobs=dict(zip(self.names, point)))
         sch = rule.apply(func, target, False)
         if sch is None:
             return None
@@ -69,17 +74,17 @@ def rule_space(func: tvm.tirx.PrimFunc, target) -> RuleSpace | None:
     for rule in default_rules(target):
         if rule.apply(func, target, False) is None:
             continue
-        if not isinstance(rule, Contraction) or rule.last_knobs is None:
+        if not isinstance(rule, TUNABLE_RULES) or rule.last_knobs is None:
             return None
         counts = {name: n for name, n in rule.last_knobs.counts.items() if n > 1}
         # a knob may have more choices under another plan (e.g. "block"): take the widest seen
         for plan in range(1, rule.last_knobs.counts.get("plan", 1)):
-            probe = Contraction(knobs={"plan": plan})
+            probe = type(rule)(knobs={"plan": plan})
             if probe.apply(func, target, False) is not None:
                 for name, n in probe.last_knobs.counts.items():
                     if n > 1:
                         counts[name] = max(counts.get(name, 0), n)
-        space = RuleSpace(list(counts), list(counts.values()))
+        space = RuleSpace(list(counts), list(counts.values()), type(rule))
         return space if space.size > 1 else None
     return None
 
