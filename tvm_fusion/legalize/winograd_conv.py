@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 import tvm
-from tvm import relax, te, tirx, topi
+from tvm import relax, te, tirx
 from tvm.topi.nn import winograd_util
 
 STAGE = "tvm_fusion.winograd"  # block annotation: weight / input / gemm / output
@@ -50,7 +50,7 @@ FORMS = {"winograd2": 2, "winograd4": 4}
 ALGORITHMS = (DIRECT, *FORMS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def transform_matrices(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(A, B, G)`` of F(m×m, 3×3) in float64: A is α×m, B α×α, G α×3 (α = m + 2)."""
     alpha = m + 2
@@ -213,8 +213,26 @@ def chosen_algorithm(signature: str, conv: dict) -> str:
     return default_algorithm(**conv)
 
 
-def default_algorithm(channels_in: int, channels_out: int, height: int, width: int, **_) -> str:
-    """The untuned choice (measured, see docs/winograd.md; replaced below once measured)."""
+# The untuned choice, from per-layer measurements (docs/winograd.md, ResNet-18's 3x3 convs, one
+# thread, CPU time, ms; direct / F(2) / F(4)): 64ch 56x56 1.53 / 1.42 / 0.84, 128ch 28x28
+# 1.53 / 1.03 / 0.67, 256ch 14x14 1.09 / 0.82 / 1.53, 512ch 7x7 1.41 / 2.35 / 3.01. Winograd
+# wins while there are enough tiles to reuse each transformed weight (α²/9 times the weight's size,
+# streamed once per output-channel block): 49 tiles or more won, 16 or fewer lost, for both tile
+# sizes, and the larger tile wins when both have enough. Few channels (untested below 64) keep the
+# direct conv: the GEMM is then too short to pay for the transforms.
+MIN_TILES = 32
+MIN_CHANNELS = 32
+
+
+def default_algorithm(channels_in: int, channels_out: int, tiles: dict, lanes: int = 1, **_) -> str:
+    """The untuned algorithm for a conv (see the measurements above): F(4) if it has at least
+    ``MIN_TILES`` output tiles, else F(2) if that has, else direct; direct for fewer than
+    ``MIN_CHANNELS`` channels or output channels not a whole number of SIMD vectors."""
+    if min(channels_in, channels_out) < MIN_CHANNELS or channels_out % lanes:
+        return DIRECT
+    for algorithm in ("winograd4", "winograd2"):
+        if tiles[FORMS[algorithm]] >= MIN_TILES:
+            return algorithm
     return DIRECT
 
 
@@ -245,14 +263,19 @@ def eligible_conv(call: relax.Call) -> dict | None:
     if wshape[2:] != [3, 3] or len(dshape) != 4:
         return None
     padding = [int(p) for p in attrs.padding]
+    oh, ow = dshape[2] + padding[0] + padding[2] - 2, dshape[3] + padding[1] + padding[3] - 2
+    if oh < 1 or ow < 1:
+        return None
+    from ..schedules._util import vector_lanes  # pylint: disable=import-outside-toplevel
+
     return {
         "data_shape": dshape,
         "weight_shape": wshape,
         "padding": padding,
         "channels_in": dshape[1],
         "channels_out": wshape[0],
-        "height": dshape[2],
-        "width": dshape[3],
+        "tiles": {m: dshape[0] * math.ceil(oh / m) * math.ceil(ow / m) for m in FORMS.values()},
+        "lanes": vector_lanes(target, "float32"),
     }
 
 

@@ -13,6 +13,7 @@ kernels it then looks up are the very workloads tuned.
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm import tirx
 
 from ..legalize.winograd_conv import ALGORITHMS, DIRECT, SIGNATURE, TILE
@@ -91,4 +92,4 @@ def _prim_funcs(mod: tvm.IRModule) -> list:
 
 
 def _func_key(func) -> int:
-    return tvm.ir.structural_hash(func)
+    return tvm_ffi.structural_hash(func)
