@@ -3,19 +3,19 @@
 Both tvm_fusion builds are untuned (``tuning_logs=None``): "direct" forces the direct conv
 everywhere, "winograd" is the default cost rule. Every variant is checked against ONNX Runtime,
 then the three are timed interleaved (``rounds`` rounds of ``runs`` runs each); the report gives
-the median and minimum per variant. Usage: python scripts/bench_winograd_resnet18.py [--rounds N]
+the median and minimum per variant. ``--single-thread``: one thread everywhere, timed as the
+calling thread's CPU time (``time.thread_time``), which a shared, busy machine disturbs far less
+than wall time. Usage: python scripts/bench_winograd_resnet18.py [--rounds N] [--single-thread]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 
 import numpy as np
-
-import tvm_fusion
-from tvm_fusion import models
-from tvm_fusion.benchmark import _timings_ms, ort_variant, vm_variant
 
 
 def main(argv=None) -> int:
@@ -23,10 +23,22 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--single-thread", action="store_true")
     args = ap.parse_args(argv)
+    if args.single_thread:
+        if "tvm" in sys.modules:
+            raise SystemExit("--single-thread must be set before TVM is imported")
+        os.environ["TVM_NUM_THREADS"] = "1"
+    import tvm_fusion  # noqa: PLC0415  (after the thread count is set)
+    from tvm_fusion.benchmark import ort_variant, vm_variant  # noqa: PLC0415
+
+    threads = 1 if args.single_thread else os.cpu_count() or 1
+    clock = time.thread_time if args.single_thread else time.perf_counter
+    from tvm_fusion import models  # noqa: PLC0415
+
     model = models.resnet18(size=args.size)
     feeds = models.random_inputs(model)
-    variants = [ort_variant(model, feeds, os.cpu_count() or 1)]
+    variants = [ort_variant(model, feeds, threads)]
     for label, algorithm in (("tvm_fusion direct", "direct"), ("tvm_fusion winograd", None)):
         result = tvm_fusion.build(model, "llvm", tuning_logs=None, conv_algorithms=algorithm)
         variants.append(vm_variant(label, result.executable, None, feeds))
@@ -37,7 +49,11 @@ def main(argv=None) -> int:
     times = {v.label: [] for v in variants}
     for _ in range(args.rounds):
         for v in variants:
-            times[v.label] += _timings_ms(v.run, args.runs, 1)
+            v.run()
+            for _ in range(args.runs):
+                start = clock()
+                v.run()
+                times[v.label].append((clock() - start) * 1e3)
     ort_med = float(np.median(times["onnxruntime"]))
     for v in variants:
         med, best = float(np.median(times[v.label])), min(times[v.label])

@@ -18,6 +18,7 @@ from tvm_fusion.schedules import (
     ParallelFallback,
     RowReduction,
     WindowReduction,
+    Winograd,
     apply_default_schedules,
     default_rules,
 )
@@ -419,7 +420,14 @@ def test_default_rules_per_target():
         dl.gpu.Fallback,
     ]
     cpu = default_rules(ZNVER3)
-    assert [type(r) for r in cpu] == [WindowReduction, Contraction, RowReduction, Injective, ParallelFallback]
+    assert [type(r) for r in cpu] == [
+        WindowReduction,
+        Winograd,
+        Contraction,
+        RowReduction,
+        Injective,
+        ParallelFallback,
+    ]
 
 
 def test_long_reduction_accumulates_in_a_local_register_tile():
