@@ -19,6 +19,7 @@ from tvm_fusion.schedules import (
     RowReduction,
     TunableMatmul,
     WindowReduction,
+    Winograd,
     apply_default_schedules,
     default_rules,
 )
@@ -57,7 +58,10 @@ def _module(inputs: dict, body) -> tvm.IRModule:
 
 
 def _fused(mod):
-    with ZNVER3:
+    from tvm_fusion.legalize.winograd_conv import conv_algorithms
+
+    # these tests are about the direct schedules: no Winograd kernels (tests/test_winograd.py)
+    with ZNVER3, conv_algorithms("direct"):
         return relax.get_pipeline("zero")(mod)
 
 
@@ -420,7 +424,14 @@ def test_default_rules_per_target():
         dl.gpu.Fallback,
     ]
     cpu = default_rules(ZNVER3)
-    assert [type(r) for r in cpu] == [WindowReduction, Contraction, RowReduction, Injective, ParallelFallback]
+    assert [type(r) for r in cpu] == [
+        WindowReduction,
+        Winograd,
+        Contraction,
+        RowReduction,
+        Injective,
+        ParallelFallback,
+    ]
 
 
 def test_long_reduction_accumulates_in_a_local_register_tile():
@@ -698,7 +709,7 @@ def test_rule_space_contains_the_default_schedule(model_name):
         if space is None:
             continue
         spaces += 1
-        default = Contraction().apply(func, ZNVER3, False)
+        default = space.rule_type().apply(func, ZNVER3, False)  # Contraction, or Winograd for 3x3 convs
         at_default, effective = space.schedule(func, ZNVER3, (0,) * len(space.names))
         assert effective == (0,) * len(space.names)
         tvm.ir.assert_structural_equal(at_default.mod, default.mod)

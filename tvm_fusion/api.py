@@ -123,6 +123,8 @@ def build(
             tuning_logs, imported.name, imported.model_hash, target, device_key=device_key
         )
         note, status = str(report), report.status
+        if report.conv_algorithms and "conv_algorithms" not in options:
+            options["conv_algorithms"] = report.conv_algorithms  # what tuning measured fastest
     stages = pipeline_stages(target, policy, database=database, **options)
     mod = run_passes(imported.mod, stages.rewrite + stages.fuse, target, imported.name)
     ready = _scheduled_count(mod)  # kernels that come scheduled (fused attention)

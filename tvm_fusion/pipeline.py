@@ -16,6 +16,8 @@ Order, and why:
 6. ``LowerAttention``: fused attention (and ``R.nn.attention``) becomes the target's
    FlashAttention-style kernel (``schedules/attention.py``), already scheduled.
    ``LegalizeOps``, ``AnnotateTIROpPattern``, ``FoldConstant``, ``FuseTIR``: one PrimFunc per group.
+   On CPU, eligible 3x3 convs become Winograd kernels where the conv-algorithm decision says so
+   (tuning's measured choice, else a measured cost rule: ``legalize/winograd_conv.py``).
 7. Schedules: constant weights marked layout-free, tuned records (``MetaScheduleApplyDatabase``),
    default (dlight-style) rules for the rest, packed weights folded into constants.
 
@@ -31,6 +33,7 @@ from tvm import relax
 
 from .errors import TvmFusionError, last_line
 from .legalize import register as register_legalizations
+from .legalize.winograd_conv import conv_algorithms as conv_algorithm_scope
 from .passes import (
     ApplyFusionPolicy,
     BindUnknownShapes,
@@ -89,6 +92,7 @@ def pipeline_stages(
     fusion: bool = True,
     schedule: bool = True,
     database=None,
+    conv_algorithms: dict | str | None = None,
 ) -> PipelineStages:
     """The passes of :func:`pipeline`, by stage (see :func:`pipeline_passes` for the options)."""
     target = parse_target(target)
@@ -112,7 +116,7 @@ def pipeline_stages(
     fuse = [ApplyFusionPolicy(policy, target)] if fusion else []
     fuse += [
         LowerAttention(target),
-        relax.transform.LegalizeOps(),
+        _legalize(conv_algorithms),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseTIR(),
@@ -150,8 +154,26 @@ def pipeline_passes(
         ("NHWC", "NCHW8c", ...); False skips the layout pass.
     database : meta_schedule Database | None
         Tuned records to apply before the default schedules.
+    conv_algorithms : dict | str | None
+        How eligible 3x3 convs are computed on CPU (``legalize/winograd_conv.py``): a dict from conv
+        signature to ``"direct"`` / ``"winograd2"`` / ``"winograd4"`` (what tuning measured; others
+        by the cost rule), one of those names for all, or None (the cost rule).
     """
     return pipeline_stages(target, policy, **options).passes()
+
+
+def _legalize(conv_algorithms) -> tvm.transform.Pass:
+    """``LegalizeOps`` with the conv-algorithm decision in scope (the plain pass when None, so a
+    caller's own ``winograd_conv.conv_algorithms`` block still applies)."""
+    if conv_algorithms is None:
+        return relax.transform.LegalizeOps()
+
+    @tvm.transform.module_pass(opt_level=0, name="LegalizeOps")
+    def _run(mod, _ctx):
+        with conv_algorithm_scope(conv_algorithms):
+            return relax.transform.LegalizeOps()(mod)
+
+    return _run
 
 
 def run_passes(

@@ -3,6 +3,8 @@
 * ``nchwc_conv``: conv2d in the blocked ``NCHW{c}`` layouts ``RewriteLayout`` writes (TVM 0.27
   leaves them unlowered).
 * ``fast_gelu``: float32 GELU with the vectorizable ``topi.fast_erf`` (switchable).
+* ``winograd_conv``: 3×3 stride-1 NCHW conv2d on LLVM CPUs as Winograd F(2×2,3×3) / F(4×4,3×3),
+  where the pipeline's decision (``winograd_conv.conv_algorithms``) or the cost rule says so.
 
 :func:`register` installs them (the pipeline and ``RewriteLayout`` call it; call it yourself before
 ``LegalizeOps`` / ``tvm.compile`` of a module that did not go through them).
@@ -19,7 +21,7 @@ from collections.abc import Callable
 import tvm
 from tvm.ir import Op
 
-from . import fast_gelu, nchwc_conv
+from . import fast_gelu, nchwc_conv, winograd_conv
 
 LEVEL = 21  # above TVM's own registrations (level 10)
 
@@ -42,9 +44,15 @@ def override_legalization(op_name: str, try_legalize: Callable) -> Callable:
     return stock
 
 
+def _legalize_conv2d(bb, call):
+    """NCHW{c} convs our way, eligible NCHW 3x3 convs as Winograd where chosen, else None."""
+    result = nchwc_conv.legalize_conv2d_nchwc(bb, call)
+    return result if result is not None else winograd_conv.legalize_conv2d_winograd(bb, call)
+
+
 def register() -> None:
     """Install every legalization of this package (idempotent)."""
-    override_legalization("relax.nn.conv2d", nchwc_conv.legalize_conv2d_nchwc)
+    override_legalization("relax.nn.conv2d", _legalize_conv2d)
     override_legalization("relax.nn.gelu", fast_gelu.legalize_gelu_if_enabled)
 
 

@@ -19,7 +19,7 @@ from tvm.s_tir import dlight as dl
 
 from ..targets import is_gpu, parse_target
 from .attention import LowerAttention, attention_kernel
-from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, cpu_rules
+from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, Winograd, cpu_rules
 from .gpu_matmul import TunableMatmul
 from .prepack import SplitWeightPrepack
 
@@ -92,6 +92,7 @@ __all__ = [
     "TunableMatmul",
     "SplitWeightPrepack",
     "WindowReduction",
+    "Winograd",
     "apply_default_schedules",
     "cpu_rules",
     "default_rules",

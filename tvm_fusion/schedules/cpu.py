@@ -7,10 +7,26 @@ from .fallback import ParallelFallback
 from .injective import Injective
 from .pool import WindowReduction
 from .reduction import RowReduction
+from .winograd import Winograd
 
 
 def cpu_rules(prepack: bool = True) -> list:
-    return [WindowReduction(), Contraction(prepack=prepack), RowReduction(), Injective(), ParallelFallback()]
+    return [
+        WindowReduction(),
+        Winograd(prepack=prepack),
+        Contraction(prepack=prepack),
+        RowReduction(),
+        Injective(),
+        ParallelFallback(),
+    ]
 
 
-__all__ = ["Contraction", "Injective", "ParallelFallback", "RowReduction", "WindowReduction", "cpu_rules"]
+__all__ = [
+    "Contraction",
+    "Injective",
+    "ParallelFallback",
+    "RowReduction",
+    "WindowReduction",
+    "Winograd",
+    "cpu_rules",
+]

@@ -25,6 +25,7 @@ from ..frontend import as_imported
 from ..pipeline import unscheduled_module
 from ..shape_cache import symbolic_dims
 from ..targets import parse_target
+from .conv_algorithms import alternative_modules, choose_algorithms
 from .environment import check_environment, load_tensor_intrinsics
 from .fleet import parse_rpc
 from .records import (
@@ -156,6 +157,7 @@ def tune(
     on_task_done: Callable[[TaskSummary], None] | None = None,
     on_batch: Callable[[TaskSummary], None] | None = None,
     log: Callable[[str], None] | None = None,
+    alternatives: list | None = None,
 ) -> TuneResult:
     """Tune every fused PrimFunc of ``mod`` for ``target`` and store the records.
 
@@ -185,6 +187,10 @@ def tune(
 
     ``on_task_done`` / ``on_batch`` are called after each task / measured batch, once its records
     are on disk (tests use them to simulate Ctrl-C).
+
+    ``alternatives``: the model fused with each conv algorithm forced
+    (:func:`.conv_algorithms.alternative_modules`); their kernels are tuned too, and the manifest
+    keeps the fastest algorithm per conv (``conv_algorithms``), which the build then uses.
     """
     start = time.time()
     target = parse_target(target)
@@ -205,6 +211,13 @@ def tune(
         for msg in messages:
             say(msg)
         tasks = extract_tasks(mod, target)
+        if alternatives:
+            seen = {workload_key(t.dispatched[0]) for t in tasks}
+            for alt in alternatives:
+                for task in extract_tasks(alt, target):
+                    if workload_key(task.dispatched[0]) not in seen:
+                        seen.add(workload_key(task.dispatched[0]))
+                        tasks.append(task)
         summaries = plan_tasks(rset, tasks, split_budget(trials, len(tasks), max_trials_per_task))
         with stop.saving():
             rset.save()  # manifest first: any later state on disk says what it is for
@@ -258,6 +271,10 @@ def tune(
                             again=verify_again,
                             say=say if progress else None,
                         )
+            if alternatives:
+                rset.manifest["conv_algorithms"] = choose_algorithms(tasks, summaries)
+                with stop.saving():
+                    rset.save()
         except KeyboardInterrupt:
             say(
                 f"interrupted: {sum(s.trials for s in summaries)} trials are saved in {path}; run again to resume"
@@ -336,6 +353,10 @@ def tune_model(
             "onnx.tools.update_model_dims before tuning"
         )
     mod = unscheduled_module(imported.mod, target, policy, name=imported.name, **(options or {}))
+    if "alternatives" not in tune_kwargs and "conv_algorithms" not in (options or {}):
+        tune_kwargs["alternatives"] = alternative_modules(
+            imported.mod, target, policy, name=imported.name, **(options or {})
+        )
     return tune(
         mod,
         target,

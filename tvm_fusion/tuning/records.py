@@ -404,6 +404,7 @@ class RecordReport:
     num_workloads: int = 0
     num_applied: int = 0  # workloads whose records go into the database
     skipped: list[str] = dataclasses.field(default_factory=list)  # "name: why", not applied
+    conv_algorithms: dict = dataclasses.field(default_factory=dict)  # conv signature -> algorithm
 
     @property
     def ok(self) -> bool:
@@ -494,6 +495,7 @@ def load_records(
         num_workloads=len(rset.workloads),
         num_applied=applied,
         skipped=sorted(skipped.values()),
+        conv_algorithms=dict(rset.manifest.get("conv_algorithms") or {}),
     )
     if applied == 0:
         return None, report

@@ -29,6 +29,8 @@ from tvm.s_tir import meta_schedule as ms
 
 from ..schedules import default_rules
 
+# Which algorithm a conv uses (direct / Winograd F(2) / F(4)) is decided before legalization, so it
+# is no knob here: tuning measures each algorithm's kernel as a task of its own (conv_algorithms.py).
 POOL_FACTOR = 4  # unmeasured points scored by the cost model per measured one
 EXPLORE = 0.25  # share of each batch picked at random from the pool
 
@@ -71,8 +73,8 @@ class RuleSpace:
 
 def rule_space(func: tvm.tirx.PrimFunc, target) -> RuleSpace | None:
     """The tunable space of the rule that schedules ``func`` by default (a rule with knobs:
-    ``Contraction`` on CPU, ``TunableMatmul`` on GPU), or None when that rule has no decision to
-    make."""
+    ``Contraction`` and ``Winograd`` on CPU, ``TunableMatmul`` on GPU), or None when that rule has
+    no decision to make."""
     for rule in default_rules(target):
         try:
             sch = rule.apply(func, target, False)

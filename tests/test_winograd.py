@@ -1,0 +1,209 @@
+"""Winograd F(2x2,3x3) / F(4x4,3x3) convs: numerics vs ONNX Runtime, one kernel with its epilogue,
+the transformed weight a compile-time constant, the untuned choice, and the tuning hooks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from conftest import ort_run, run_executable
+from tvm import relax, tirx
+
+import tvm_fusion
+from tvm_fusion import models
+from tvm_fusion.frontend import import_onnx
+from tvm_fusion.legalize.winograd_conv import STAGE, conv_signature, default_algorithm, transform_matrices
+from tvm_fusion.pipeline import pipeline_passes, run_passes, unscheduled_module
+from tvm_fusion.schedules import Winograd
+from tvm_fusion.targets import llvm_target
+
+ZNVER3 = llvm_target("znver3")  # AVX2: the CI machine's vector width, whatever this one has
+
+
+def _conv_model(cin, cout, size, pad, epilogue, seed=0):
+    """x -> Conv 3x3 (bias) -> epilogue; epilogue: "bias", "relu", "residual" (add a second input,
+    then relu) or "clip" (relu6)."""
+    g = models.GraphBuilder("wconv", seed)
+    x = g.input("x", (1, cin, size, size))
+    w = g.weight("conv_w", (cout, cin, 3, 3))
+    b = g.const("conv_b", g.rng.standard_normal(cout).astype(np.float32) * 0.1)
+    y = g.op("Conv", [x, w, b], kernel_shape=[3, 3], pads=[pad] * 4)
+    osz = size + 2 * pad - 2
+    if epilogue == "relu":
+        y = g.relu(y)
+    elif epilogue == "residual":
+        y = g.relu(g.add(y, g.input("r", (1, cout, osz, osz))))
+    elif epilogue == "clip":
+        y = g.relu6(y)
+    return g.finish([y])
+
+
+def _feeds(model, seed=1):
+    rng = np.random.default_rng(seed)
+    return {
+        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+        for i in model.graph.input
+    }
+
+
+def _rel_err(got, ref) -> float:
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def _lowered(model, algorithm, target=ZNVER3):
+    return run_passes(import_onnx(model).mod, pipeline_passes(target, conv_algorithms=algorithm), target)
+
+
+def _prim_funcs(mod):
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+def _stages(func) -> set:
+    stages = set()
+
+    def visit(stmt):
+        if isinstance(stmt, tvm.s_tir.SBlock) and STAGE in stmt.annotations:
+            stages.add(str(stmt.annotations[STAGE]))
+
+    _walk(func.body, visit)
+    return stages
+
+
+def _walk(node, visit):
+    """Every statement under node (this TVM has no stmt_functor.post_order_visit)."""
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        if cur is None or isinstance(cur, (int, float, str)):
+            continue
+        visit(cur)
+        if isinstance(cur, tirx.SeqStmt):
+            stack.extend(cur.seq)
+            continue
+        for name in ("body", "block", "init", "then_case", "else_case"):
+            child = getattr(cur, name, None)
+            if child is not None:
+                stack.append(child)
+
+
+CASES = [  # cin, cout, size, pad, epilogue
+    (8, 16, 13, 1, "relu"),
+    (16, 8, 7, 0, "bias"),
+    (3, 32, 57, 1, "residual"),
+    (24, 16, 9, 1, "clip"),
+    (32, 64, 14, 1, "residual"),
+]
+
+
+@pytest.mark.parametrize("algorithm", ["winograd2", "winograd4"])
+@pytest.mark.parametrize("cin,cout,size,pad,epilogue", CASES)
+def test_winograd_matches_onnxruntime(algorithm, cin, cout, size, pad, epilogue):
+    model = _conv_model(cin, cout, size, pad, epilogue)
+    feeds = _feeds(model)
+    result = tvm_fusion.build(model, ZNVER3, tuning_logs=None, conv_algorithms=algorithm)
+    got = run_executable(result.executable, feeds)
+    assert _rel_err(got, ort_run(model, feeds)) <= 1e-4
+
+
+def test_winograd_kernel_and_epilogue_are_one_kernel_with_a_constant_weight():
+    model = _conv_model(16, 32, 12, 1, "residual")
+    mod = _lowered(model, "winograd4")
+    funcs = _prim_funcs(mod)
+    assert len(funcs) == 1, list(funcs)  # conv + bias + residual add + relu: one kernel
+    ((name, func),) = funcs.items()
+    assert name.endswith("_prepacked")
+    # the run-time kernel: pad, input transform, GEMM (the output transform is inlined into the
+    # epilogue block); no weight transform
+    assert _stages(func) == {"pad", "input", "gemm"}
+    # it takes the transformed weight (alpha x alpha x K-blocks x C x vt) as a bound constant
+    calls = [
+        b.value for blk in mod["main"].body.blocks for b in blk.bindings if isinstance(b.value, relax.Call)
+    ]
+    (call,) = [c for c in calls if c.op.name == "relax.call_tir"]
+    consts = [a.value.numpy() for a in call.args[1].fields if isinstance(a, tvm.ir.Constant)]
+    packed = [c for c in consts if c.ndim == 5]
+    assert len(packed) == 1 and packed[0].shape[:2] == (6, 6) and packed[0].shape[3] == 16
+    # and it is U = G g G^T of the original weight, in the packed layout
+    w = _initializer(model, "conv_w")
+    _, _, g_mat = transform_matrices(4)
+    u = np.einsum("ei,kcij,nj->enck", g_mat, w.astype(np.float64), g_mat)  # [e, nu, c, k]
+    got = packed[0]  # [e, nu, k / vt, c, vt]
+    vt = got.shape[-1]
+    unpacked = got.transpose(0, 1, 3, 2, 4).reshape(6, 6, 16, -1)
+    assert unpacked.shape[-1] == 32 and vt in (8, 16, 32)
+    np.testing.assert_allclose(unpacked, u, rtol=1e-5, atol=1e-5)
+    # the numbers are right too
+    feeds = _feeds(model)
+    got = run_executable(tvm.compile(mod, target=ZNVER3), feeds)
+    assert _rel_err(got, ort_run(model, feeds)) <= 1e-4
+
+
+def _initializer(model, prefix):
+    from onnx import numpy_helper
+
+    return next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name.startswith(prefix))
+
+
+def test_direct_forced_and_ineligible_convs_keep_the_direct_kernel():
+    model = _conv_model(32, 64, 14, 1, "relu")
+    assert not any(_stages(f) for f in _prim_funcs(_lowered(model, "direct")).values())
+    g = models.GraphBuilder("s2", 0)  # stride 2: not eligible, whatever the choice
+    y = g.conv(g.input("x", (1, 32, 14, 14)), 32, 64, 3, stride=2)
+    strided = g.finish([y])
+    assert not any(_stages(f) for f in _prim_funcs(_lowered(strided, "winograd4")).values())
+
+
+def test_winograd_only_on_cpu():
+    from tvm_fusion.targets import cuda_target
+
+    model = _conv_model(32, 64, 28, 1, "relu")
+    cuda = cuda_target()
+    mod = run_passes(
+        import_onnx(model).mod, pipeline_passes(cuda, conv_algorithms="winograd4", schedule=False), cuda
+    )
+    assert not any(_stages(f) for f in _prim_funcs(mod).values())
+
+
+def test_untuned_choice_follows_the_measured_rule():
+    # ResNet-18's 3x3 convs (docs/winograd.md): 56 and 28 -> F(4), 14 -> F(2), 7 -> direct
+    assert default_algorithm(64, 64, {2: 784, 4: 196}, 16) == "winograd4"
+    assert default_algorithm(128, 128, {2: 196, 4: 49}, 8) == "winograd4"
+    assert default_algorithm(256, 256, {2: 49, 4: 16}, 16) == "winograd2"
+    assert default_algorithm(512, 512, {2: 16, 4: 4}, 16) == "direct"
+    assert default_algorithm(3, 64, {2: 784, 4: 196}, 16) == "direct"  # few channels
+    # and the pipeline applies it: a 64-channel 28x28 conv is a Winograd kernel by default
+    funcs = _prim_funcs(_lowered(_conv_model(64, 64, 28, 1, "relu"), None))
+    assert any(_stages(f) for f in funcs.values())
+
+
+def test_rule_space_of_a_winograd_kernel_contains_the_default():
+    from tvm_fusion.tuning import extract_tasks, rule_space
+
+    model = _conv_model(32, 64, 14, 1, "residual")
+    mod = unscheduled_module(import_onnx(model).mod, ZNVER3, conv_algorithms="winograd2")
+    (task,) = extract_tasks(mod, ZNVER3)
+    func = task.dispatched[0]["main"]
+    space = rule_space(func, ZNVER3)
+    assert space is not None and space.rule_type is Winograd and "plan" in space.names
+    default = Winograd().apply(func, ZNVER3, False)
+    at_default, effective = space.schedule(func, ZNVER3, (0,) * len(space.names))
+    assert effective == (0,) * len(space.names)
+    tvm.ir.assert_structural_equal(at_default.mod, default.mod)
+
+
+def test_tuning_chooses_the_fastest_algorithm_per_conv():
+    from tvm_fusion.tuning.conv_algorithms import alternative_modules, choose_algorithms
+    from tvm_fusion.tuning.search import TaskSummary
+    from tvm_fusion.tuning.tasks import extract_tasks
+
+    model = _conv_model(32, 64, 14, 1, "relu")
+    alts = alternative_modules(import_onnx(model).mod, ZNVER3)
+    assert len(alts) == 3
+    tasks = [t for alt in alts for t in extract_tasks(alt, ZNVER3)]
+    assert len({t.task_name for t in tasks}) == 1 and len(tasks) == 3  # one kernel, three ways
+    times = [30.0, 20.0, 25.0]  # direct, F(2), F(4)
+    summaries = [TaskSummary(t.task_name, "k", 1, 1, 1, us) for t, us in zip(tasks, times)]
+    signature = conv_signature((1, 32, 14, 14), (64, 32, 3, 3), (1, 1, 1, 1), "float32")
+    assert choose_algorithms(tasks, summaries) == {signature: "winograd2"}
+    # a model without an eligible conv has no alternatives
+    assert alternative_modules(import_onnx(models.example("mlp_bn")).mod, ZNVER3) == []

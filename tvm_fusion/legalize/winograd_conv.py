@@ -1,0 +1,301 @@
+"""Winograd F(m×m, 3×3) legalization of 3×3 stride-1 NCHW conv2d on LLVM CPUs (m = 2 or 4).
+
+Why: ResNet-style nets spend most of their time in 3×3 convs, and the direct conv is near the
+GEMM roofline; Winograd needs (m+2)²/(9 m²) of the multiplies (F(2): 0.44, F(4): 0.25).
+
+The conv becomes four TE stages, each block annotated ``tvm_fusion.winograd = <stage>`` (the
+``Winograd`` schedule rule recognises them by that, see ``schedules/winograd.py``):
+
+* ``weight``: ``U[e, ν, c, k] = Σ G[e, i] g[k, c, i, j] G[ν, j]``, reading only the weight, so the
+  schedule marks it a layout-rewrite preproc block and ``SplitLayoutRewritePreproc`` +
+  ``FoldConstant`` evaluate it at compile time when the weight is a constant (the kernel then
+  takes ``U`` as an argument; nothing of it runs at run time). Summed in float64.
+* ``pad``: the zero-padded input (up to whole tiles) in polyphase layout
+  ``P[b, c, y, r, q] = d[b, c, y, q·m + r]``, so that column ``tx·m + j`` of every tile in a row
+  is a contiguous vector ``P[.., j mod m, tx + j / m]`` over the tiles;
+* ``input``: ``V[e, ν, c, b, ty, tx] = Σ B[a, e] d[b, c, ty·m + a, tx·m + a'] B[a', ν]``;
+* ``gemm``: ``M[e, ν, k, b, ty, tx] = Σ_c U[e, ν, c, k] V[e, ν, c, b, ty, tx]``, a batch of α²
+  GEMMs (the only reduction);
+* ``output``: ``Y[b, k, h, w] = Σ A[e, h mod m] M[e, ν, k, b, h / m, w / m] A[ν, w mod m]``, the
+  conv's result, on which FuseTIR appends the fused epilogue (bias, residual add, relu, clip).
+
+Transforms are written as one expression per (row, column) of the small matrices with only the
+non-zero terms and literal coefficients, selected by the block's iteration indices: once the
+schedule unrolls those loops the selection folds away, and no multiply by 0 is ever computed.
+Matrices: TVM's Cook-Toom construction (``topi.nn.winograd_util``), points [0, -1, 1] for F(2) and
+[0, -1, 1, 1/2, -2] for F(4) (the low-error choice of Barabasz et al.).
+
+Which convs take which form is a pipeline decision (:func:`conv_algorithms`): a table from conv
+signature to ``direct`` / ``winograd2`` / ``winograd4``, made by tuning, with a measured cost rule
+(:func:`default_algorithm`) for convs it does not list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+
+import numpy as np
+import tvm
+from tvm import relax, te, tirx
+from tvm.topi.nn import winograd_util
+
+STAGE = "tvm_fusion.winograd"  # block annotation: weight / input / gemm / output
+TILE = "tvm_fusion.winograd_tile"  # block annotation on every stage: m
+SIGNATURE = "tvm_fusion.conv_signature"  # block annotation on the gemm stage (tuning groups by it)
+DIRECT = "direct"
+FORMS = {"winograd2": 2, "winograd4": 4}
+ALGORITHMS = (DIRECT, *FORMS)
+
+
+@functools.cache
+def transform_matrices(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(A, B, G)`` of F(m×m, 3×3) in float64: A is α×m, B α×α, G α×3 (α = m + 2)."""
+    alpha = m + 2
+    points = winograd_util._interpolation_points(alpha)  # pylint: disable=protected-access
+    a, b, g = winograd_util._cook_toom_convolution(points, m, 3)  # pylint: disable=protected-access
+    return np.asarray(a, np.float64), np.asarray(b, np.float64), np.asarray(g, np.float64)
+
+
+def _weighted_sum(terms, dtype):
+    """Σ coef · value over the terms with a non-zero coefficient (±1 without a multiply)."""
+    total = None
+    for coef, value in terms:
+        if coef == 0:
+            continue
+        if coef == 1:
+            term = value
+        elif coef == -1:
+            term = -value
+        else:
+            term = value * tirx.const(float(coef), dtype)
+        total = term if total is None else total + term
+    return tirx.const(0.0, dtype) if total is None else total
+
+
+def _select(index_vars, cases: dict, dtype):
+    """``cases[(i, j)]`` for the (constant) values of the index expressions, as a Select chain
+    that folds to one case once the indices are constants (unrolled loops)."""
+    keys = list(cases)
+    expr = cases[keys[-1]]
+    for key in reversed(keys[:-1]):
+        cond = functools.reduce(tirx.all, [v == k for v, k in zip(index_vars, key)])
+        expr = tirx.Select(cond, cases[key], expr)
+    return expr
+
+
+def winograd_conv2d_nchw(data, weight, padding, m: int, out_dtype: str | None = None, signature: str = ""):
+    """TE of the Winograd conv (see module docstring); returns the NCHW output tensor."""
+    n_, c_, h_, w_ = (int(x) for x in data.shape)
+    k_, _, kh_, kw_ = (int(x) for x in weight.shape)
+    assert kh_ == kw_ == 3
+    dtype = out_dtype or data.dtype
+    alpha = m + 2
+    pt, pl, pb, pr = (int(p) for p in padding)
+    oh, ow = h_ + pt + pb - 2, w_ + pl + pr - 2
+    nh, nw = math.ceil(oh / m), math.ceil(ow / m)
+    a_mat, b_mat, g_mat = transform_matrices(m)
+    ann = {TILE: m}
+
+    # the zero-padded input (whole tiles: padded at the bottom / right as needed) in polyphase
+    # layout, P[b, c, y, r, q] = d_pad[b, c, y, q·m + r]: column tx·m + j of a tile row is then
+    # P[.., j mod m, tx + j / m], so the transform below reads whole vectors along the tiles
+    # of a row where the plain layout would need a gather (stride m) per window element
+    rows, phase_len = nh * m + 2, nw + (alpha - 1) // m
+
+    def polyphase(b, c, y, r, q):
+        yy, xx = y - pt, q * m + r - pl
+        inside = tirx.all(yy >= 0, yy < h_, xx >= 0, xx < w_)
+        return tirx.if_then_else(inside, data[b, c, yy, xx], tirx.const(0.0, data.dtype))
+
+    data_pad = te.compute(
+        (n_, c_, rows, m, phase_len), polyphase, name="winograd_pad", attrs={STAGE: "pad", **ann}
+    )
+
+    def weight_transform(e, nu, c, k):
+        cases = {}
+        for ei in range(alpha):
+            for ni in range(alpha):
+                terms = [
+                    (g_mat[ei, i] * g_mat[ni, j], weight[k, c, i, j].astype("float64"))
+                    for i in range(3)
+                    for j in range(3)
+                ]
+                cases[(ei, ni)] = _weighted_sum(terms, "float64")
+        return _select((e, nu), cases, "float64").astype(dtype)
+
+    u = te.compute(
+        (alpha, alpha, c_, k_), weight_transform, name="winograd_weight", attrs={STAGE: "weight", **ann}
+    )
+
+    def input_transform(e, nu, c, b, ty, tx):
+        cases = {}
+        for ei in range(alpha):
+            for ni in range(alpha):
+                terms = [
+                    (
+                        b_mat[i, ei] * b_mat[j, ni],
+                        data_pad[b, c, ty * m + i, j % m, tx + j // m].astype(dtype),
+                    )
+                    for i in range(alpha)
+                    for j in range(alpha)
+                ]
+                cases[(ei, ni)] = _weighted_sum(terms, dtype)
+        return _select((e, nu), cases, dtype)
+
+    v = te.compute(
+        (alpha, alpha, c_, n_, nh, nw), input_transform, name="winograd_input", attrs={STAGE: "input", **ann}
+    )
+    rc = te.reduce_axis((0, c_), name="rc")
+    mm = te.compute(
+        (alpha, alpha, k_, n_, nh, nw),
+        lambda e, nu, k, b, ty, tx: te.sum(u[e, nu, rc, k] * v[e, nu, rc, b, ty, tx], axis=[rc]),
+        name="winograd_gemm",
+        attrs={STAGE: "gemm", SIGNATURE: signature, **ann},
+    )
+
+    def output_transform(b, k, h, w):
+        cases = {}
+        for i in range(m):
+            for j in range(m):
+                terms = [
+                    (a_mat[e, i] * a_mat[nu, j], mm[e, nu, k, b, h // m, w // m])
+                    for e in range(alpha)
+                    for nu in range(alpha)
+                ]
+                cases[(i, j)] = _weighted_sum(terms, dtype)
+        return _select((h % m, w % m), cases, dtype)
+
+    return te.compute(
+        (n_, k_, oh, ow), output_transform, name="winograd_output", attrs={STAGE: "output", **ann}
+    )
+
+
+# ---- which convs take which form ---------------------------------------------------------------
+
+
+def conv_signature(data_shape, weight_shape, padding, dtype) -> str:
+    """The key of a conv in decision tables: shapes, padding and dtype (the weights' values and
+    the fused epilogue do not change which algorithm is faster)."""
+    d = "x".join(str(int(x)) for x in data_shape)
+    w = "x".join(str(int(x)) for x in weight_shape)
+    p = ",".join(str(int(x)) for x in padding)
+    return f"conv2d_nchw/{d}/{w}/pad{p}/{dtype}"
+
+
+_CHOICES: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "tvm_fusion_conv_algorithms", default=None
+)
+
+
+@contextlib.contextmanager
+def conv_algorithms(choices: dict | str | None):
+    """Within the block, eligible convs are legalized as ``choices`` says: a dict from
+    :func:`conv_signature` to an algorithm (others: :func:`default_algorithm`), or one algorithm
+    name for every eligible conv (``"direct"`` turns Winograd off), or None (the cost rule)."""
+    if isinstance(choices, str) and choices not in ALGORITHMS:
+        raise ValueError(f"unknown conv algorithm {choices!r}: one of {', '.join(ALGORITHMS)}")
+    token = _CHOICES.set(choices)
+    try:
+        yield
+    finally:
+        _CHOICES.reset(token)
+
+
+def chosen_algorithm(signature: str, conv: dict) -> str:
+    choices = _CHOICES.get()
+    if isinstance(choices, str):
+        return choices
+    if choices and signature in choices:
+        return choices[signature]
+    return default_algorithm(**conv)
+
+
+# The untuned choice, from per-layer measurements (docs/winograd.md, ResNet-18's 3x3 convs, one
+# thread, CPU time, ms; direct / F(2) / F(4)): 64ch 56x56 1.53 / 1.42 / 0.84, 128ch 28x28
+# 1.53 / 1.03 / 0.67, 256ch 14x14 1.09 / 0.82 / 1.53, 512ch 7x7 1.41 / 2.35 / 3.01. Winograd
+# wins while there are enough tiles to reuse each transformed weight (α²/9 times the weight's size,
+# streamed once per output-channel block): 49 tiles or more won, 16 or fewer lost, for both tile
+# sizes, and the larger tile wins when both have enough. Few channels (untested below 64) keep the
+# direct conv: the GEMM is then too short to pay for the transforms.
+MIN_TILES = 32
+MIN_CHANNELS = 32
+
+
+def default_algorithm(channels_in: int, channels_out: int, tiles: dict, lanes: int = 1, **_) -> str:
+    """The untuned algorithm for a conv (see the measurements above): F(4) if it has at least
+    ``MIN_TILES`` output tiles, else F(2) if that has, else direct; direct for fewer than
+    ``MIN_CHANNELS`` channels or output channels not a whole number of SIMD vectors."""
+    if min(channels_in, channels_out) < MIN_CHANNELS or channels_out % lanes:
+        return DIRECT
+    for algorithm in ("winograd4", "winograd2"):
+        if tiles[FORMS[algorithm]] >= MIN_TILES:
+            return algorithm
+    return DIRECT
+
+
+def eligible_conv(call: relax.Call) -> dict | None:
+    """The conv's shapes if Winograd can compute it (3×3, stride 1, dilation 1, groups 1, NCHW /
+    OIHW, static float32 shapes, LLVM target in scope), else None."""
+    attrs = call.attrs
+    target = tvm.target.Target.current(allow_none=True)
+    if target is None or target.kind.name != "llvm":
+        return None
+    if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) != ("NCHW", "OIHW", "NCHW"):
+        return None
+    if int(attrs.groups) != 1 or any(int(s) != 1 for s in attrs.strides):
+        return None
+    if any(int(d) != 1 for d in attrs.dilation):
+        return None
+    dty, wty = call.args[0].ty, call.args[1].ty
+    if not all(isinstance(t, relax.TensorType) and t.shape is not None for t in (dty, wty)):
+        return None
+    try:
+        dshape = [int(x) for x in dty.shape]
+        wshape = [int(x) for x in wty.shape]
+    except (TypeError, ValueError):
+        return None
+    odt = "" if attrs.out_dtype is None else str(attrs.out_dtype)
+    if str(dty.dtype) != "float32" or str(wty.dtype) != "float32" or odt not in ("", "void", "float32"):
+        return None
+    if wshape[2:] != [3, 3] or len(dshape) != 4:
+        return None
+    padding = [int(p) for p in attrs.padding]
+    oh, ow = dshape[2] + padding[0] + padding[2] - 2, dshape[3] + padding[1] + padding[3] - 2
+    if oh < 1 or ow < 1:
+        return None
+    from ..schedules._util import vector_lanes  # pylint: disable=import-outside-toplevel
+
+    return {
+        "data_shape": dshape,
+        "weight_shape": wshape,
+        "padding": padding,
+        "channels_in": dshape[1],
+        "channels_out": wshape[0],
+        "tiles": {m: dshape[0] * math.ceil(oh / m) * math.ceil(ow / m) for m in FORMS.values()},
+        "lanes": vector_lanes(target, "float32"),
+    }
+
+
+def legalize_conv2d_winograd(bb: relax.BlockBuilder, call: relax.Call):
+    """Legalize an eligible conv as Winograd when the decision for it says so; None otherwise."""
+    conv = eligible_conv(call)
+    if conv is None:
+        return None
+    signature = conv_signature(conv["data_shape"], conv["weight_shape"], conv["padding"], "float32")
+    algorithm = chosen_algorithm(signature, conv)
+    if algorithm not in FORMS:
+        return None
+    m = FORMS[algorithm]
+    return bb.call_te(
+        winograd_conv2d_nchw,
+        call.args[0],
+        call.args[1],
+        conv["padding"],
+        m,
+        None,
+        signature,
+        primfunc_name_hint=f"conv2d_winograd{m}",
+    )

@@ -1,0 +1,251 @@
+"""CPU schedule for the Winograd conv kernels ``legalize/winograd_conv.py`` writes (+ epilogue).
+
+The stages are found by their ``tvm_fusion.winograd`` block annotations (FuseTIR keeps them):
+
+* ``weight`` (U = G g Gᵀ): when the weight is a constant (``layout_free_buffers``) the block is
+  marked a layout-rewrite preproc and written straight into the GEMM's packed panel layout
+  ``[e, ν, k / vt, c, vt]``; ``SplitLayoutRewritePreproc`` + ``FoldConstant`` then compute it at
+  compile time, so the kernel reads the transformed weight as an argument. Otherwise it runs as a
+  parallel stage (correct, slower).
+* ``pad`` (polyphase zero padding) and ``input`` (V = Bᵀ d B): root stages; the input transform
+  parallel over channel rows of tiles, the α² transform points unrolled (their coefficient
+  selection folds to constants) and vectorized along the tiles of a row (contiguous loads).
+* ``gemm`` (α² GEMMs over input channels): one parallel loop over (image, tile row, tile-column
+  block, output-channel block); inside, per transform point, the channel loop around a register
+  micro-kernel: ``rt`` tile columns (broadcast V, contiguous in memory) × ``vt`` output channels
+  (vector loads of the packed U), accumulators in registers.
+* ``output`` (Y = Aᵀ M A) + the fused epilogue (bias, residual, relu, clip): inlined into one
+  block computed right after each task's GEMM tiles (``reverse_compute_at``), so the α² × tile
+  intermediate stays in a small per-task buffer, never in memory at full size; output channels
+  vectorized, the m×m positions of a tile unrolled (their coefficients fold).
+
+Tunable decisions (:mod:`.knobs`): ``plan``, the cost model's n-th best micro-kernel (vt, rt);
+``order``, channel blocks or tiles outermost in the parallel task loop; ``blocks``, how many
+micro-kernel tile blocks one task covers (the weight slice is reused from L1 across them).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.target import Target
+
+from ..legalize.winograd_conv import STAGE, TILE
+from ._util import (
+    LAYOUT_REWRITE_PREPROC,
+    CpuRule,
+    divisors_upto,
+    int_extent,
+    logger,
+    num_cores,
+    num_vector_registers,
+    safe_rule,
+    schedule_injective_block,
+    try_primitive,
+    vector_lanes,
+)
+from .knobs import Knobs
+
+MAX_ROWS = 8
+MAX_PLAN_CHOICES = 12
+FMA_IN_FLIGHT = 8  # FMA latency x pipes: fewer accumulators leave the pipes idle
+TASK_TILE_BYTES = 96 << 10  # a task's α² accumulator tiles (written once, read by the output)
+MIN_TASKS_PER_CORE = 4
+
+
+def _stage_blocks(sch) -> dict:
+    """``{stage: block}`` for the annotated Winograd blocks of a schedule (empty if none)."""
+    found = {}
+    root = sch.get_sblock("root")
+    for blk in sch.get_child_blocks(root):
+        stage = sch.get(blk).annotations.get(STAGE)
+        if stage is not None:
+            found[str(stage)] = blk
+    return found
+
+
+def _layout_free_params(func) -> set:
+    idx = func.attrs.get("layout_free_buffers") if func.attrs is not None else None
+    return {func.params[int(i)] for i in idx} if idx else set()
+
+
+def micro_kernel_plans(channels_out: int, tile_cols: int, tasks_outer: int, target: Target) -> list:
+    """``(vt, rt, cost)`` micro-kernels, best first: vt output channels (whole vectors) × rt tile
+    columns; cost = cycles per channel step over the FMA-bound minimum, times the cores' load
+    imbalance (a model as Contraction's: two FMA pipes, 8 FMAs in flight, broadcasts are loads)."""
+    lanes = vector_lanes(target, "float32")
+    regs = num_vector_registers(target)
+    cores = num_cores(target)
+    vts = [mult * lanes for mult in (1, 2, 3, 4) if channels_out % (mult * lanes) == 0]
+    if not vts:
+        vts = [d for d in divisors_upto(channels_out, lanes) if d >= 2][-1:] or [1]
+    plans = []
+    for vt in vts:
+        nvec = math.ceil(vt / lanes)
+        for rt in divisors_upto(tile_cols, MAX_ROWS):
+            acc = rt * nvec
+            if acc + nvec + 1 > regs:
+                continue
+            loads = nvec + rt
+            cycles = max(acc, loads, FMA_IN_FLIGHT) / 2
+            cost = cycles / (acc / 2)
+            tasks = tasks_outer * (tile_cols // rt) * (channels_out // vt)
+            cost *= math.ceil(tasks / cores) * cores / tasks
+            plans.append((vt, rt, round(cost, 3)))
+    plans.sort(key=lambda p: (p[2], -p[0] * p[1], -p[1]))
+    return plans
+
+
+class Winograd(CpuRule):
+    """The Winograd conv schedule (see module docstring); declines anything else."""
+
+    def __init__(self, prepack: bool = True, knobs: dict[str, int] | None = None):
+        self.prepack = prepack
+        self.knobs = dict(knobs or {})
+        self.last_knobs: Knobs | None = None
+
+    @safe_rule
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        from tvm import s_tir
+
+        sch = s_tir.Schedule(func)
+        stages = _stage_blocks(sch)
+        if set(stages) != {"weight", "pad", "input", "gemm", "output"}:
+            return None
+        knobs = self.last_knobs = Knobs(self.knobs, tunable)
+        m = int(sch.get(stages["gemm"]).annotations[TILE])
+        gemm = stages["gemm"]
+        extents = [int_extent(sch, lp) for lp in sch.get_loops(gemm)]
+        if any(x is None for x in extents):
+            return None
+        alpha, _, k_ext, b_ext, ty_ext, tx_ext, _ = extents
+        plans = micro_kernel_plans(k_ext, tx_ext, b_ext * ty_ext, target)
+        vt, rt, cost = plans[knobs.choose(sch, "plan", min(len(plans), MAX_PLAN_CHOICES))]
+        # tile blocks per task: the transformed-weight slice of one transform point (C x vt)
+        # then stays in L1 across them (one block: it streams from L2 for every rt tiles)
+        blocks = _blocks_per_task(alpha, k_ext, b_ext * ty_ext, tx_ext, vt, rt, target)
+        tb = blocks[knobs.choose(sch, "blocks", len(blocks))]
+        logger.debug("Winograd F(%d): vt %d rt %d cost %.2f", m, vt, rt, cost)
+        lanes = vector_lanes(target, "float32")
+
+        # ---- the epilogue chain: one block reading M (output transform inlined) -------------
+        chain = [stages["output"]]
+        while consumers := sch.get_consumers(chain[-1]):
+            if len(consumers) != 1:
+                return None
+            chain.append(consumers[0])
+        for blk in chain[:-1]:
+            sch.compute_inline(blk)
+        final = chain[-1]
+        # ---- weight transform: compile-time preproc (constant weight) or a parallel stage -----
+        weight_blk = stages["weight"]
+        weight_param = sch.get(weight_blk).reads[0].source
+        u_buf_index = _read_index(sch, gemm, sch.get(weight_blk).writes[0].source)
+        # U panel [e, nu, k / vt, c, vt]: the micro-kernel's vector loads walk it contiguously
+        sch.transform_layout(
+            gemm,
+            ("read", u_buf_index),
+            tirx.IndexMap.from_func(lambda e, nu, c, k: [e, nu, k // vt, c, k % vt], ndim=4),
+        )
+        # V [e, nu, b, ty, c, tx]: a tile row's channels one after the other, so the micro-kernel's
+        # broadcasts (rt tiles of one channel, then the next channel) stream through memory
+        sch.transform_layout(
+            gemm,
+            ("read", 1 - u_buf_index),
+            tirx.IndexMap.from_func(lambda e, nu, c, b, ty, tx: [e, nu, b, ty, c, tx], ndim=6),
+        )
+        if self.prepack and weight_param in _layout_free_params(func):
+            sch.annotate(weight_blk, LAYOUT_REWRITE_PREPROC, True)
+        else:
+            schedule_injective_block(sch, weight_blk, target)
+
+        # ---- tasks: the output (+ epilogue) block tiled by (b, tile row, tile-column block,
+        # channel block); the GEMM tiles each task reads are computed inside it ---------------
+        b_o, k_o, h_o, w_o = sch.get_loops(final)
+        k_o, k_i = sch.split(k_o, factors=[None, vt])
+        ty, h_i = sch.split(h_o, factors=[None, m])
+        tx_o, w_i = sch.split(w_o, factors=[None, tb * rt * m])
+        w_t, w_j = sch.split(w_i, factors=[None, m])
+        k_v = None
+        if vt > lanes and vt % lanes == 0:
+            k_i, k_v = sch.split(k_i, factors=[None, lanes])
+        # task order: channel blocks outermost (default): the threads' consecutive tasks share one
+        # transformed-weight panel (α² x C x vt, up to MBs), which then stays in L2 across them;
+        # or tiles outermost: consecutive tasks share the transformed input of their tiles
+        outer = [k_o, b_o, ty, tx_o] if knobs.choose(sch, "order", 2) == 0 else [b_o, ty, tx_o, k_o]
+        sch.reorder(*outer, *([k_i] if k_v is not None else []), h_i, w_t, w_j, k_v or k_i)
+        par = sch.fuse(*outer)
+        sch.parallel(par)
+        sch.unroll(h_i)
+        sch.unroll(w_j)
+        try_primitive(sch.vectorize, k_v or k_i)
+        sch.compute_at(gemm, par, preserve_unit_loops=True)
+
+        # ---- GEMM under the task: e, nu / c / rt x vt micro-kernel -----------------------------
+        g_loops = sch.get_loops(gemm)[1:]
+        e_l, nu_l, gk, gb, gty, gtx, rc_l = g_loops
+        gtb, gtx = sch.split(gtx, factors=[None, rt])
+        sch.reorder(e_l, nu_l, gb, gty, gtb, rc_l, gtx, gk)
+        g_m = None
+        if vt > lanes and vt % lanes == 0:
+            g_m, gk = sch.split(gk, factors=[None, lanes])
+            sch.unroll(g_m)
+        sch.unroll(gtx)
+        sch.vectorize(gk)
+        # M tile: [e, nu, b, ty, tx, k] (output channels last: contiguous vector accumulators)
+        sch.transform_layout(
+            gemm,
+            ("write", 0),
+            tirx.IndexMap.from_func(lambda e, nu, k, b, ty, tx: [e, nu, b, ty, tx, k], ndim=6),
+        )
+        sch.set_scope(gemm, 0, "local")
+        init = sch.decompose_reduction(gemm, rc_l)
+        try_primitive(sch.vectorize, sch.get_loops(init)[-1])
+
+        # ---- input transform and pad: parallel root stages ---------------------------------
+        self._schedule_input(sch, stages["input"], target)
+        schedule_injective_block(sch, stages["pad"], target)
+        return sch
+
+    @staticmethod
+    def _schedule_input(sch, blk, target):
+        """(e, nu, c, b, ty, tx) -> parallel(c, b, ty) / tx vector / e, nu unrolled."""
+        e_l, nu_l, c_l, b_l, ty_l, tx_l = sch.get_loops(blk)
+        sch.reorder(c_l, b_l, ty_l, tx_l, e_l, nu_l)
+        par = sch.fuse(c_l, b_l, ty_l)
+        sch.parallel(par)
+        sch.unroll(e_l)
+        sch.unroll(nu_l)
+        lanes = vector_lanes(target, "float32")
+        tx_x = int_extent(sch, tx_l)
+        cands = [d for d in divisors_upto(tx_x, lanes) if d >= 2]
+        if cands:
+            tx_o, tx_i = sch.split(tx_l, factors=[None, cands[-1]])
+            sch.reorder(tx_o, e_l, nu_l, tx_i)
+            try_primitive(sch.vectorize, tx_i)
+
+
+def _blocks_per_task(alpha, channels_out, rows, tile_cols, vt, rt, target) -> list[int]:
+    """Choices of tile blocks (of rt tiles) per task, the model's first: as many as keep the
+    task's α² accumulator tiles within ``TASK_TILE_BYTES`` and leave ``MIN_TASKS_PER_CORE`` tasks
+    per core; then one block."""
+    per_row = tile_cols // rt
+    tasks_per_block = rows * (channels_out // vt)
+    fits = [
+        tb
+        for tb in divisors_upto(per_row, per_row)
+        if alpha * alpha * tb * rt * vt * 4 <= TASK_TILE_BYTES
+        and tasks_per_block * (per_row // tb) >= MIN_TASKS_PER_CORE * num_cores(target)
+    ]
+    best = fits[-1] if fits else 1
+    return [best] + ([1] if best != 1 else [])
+
+
+def _read_index(sch, block, buf) -> int:
+    for i, region in enumerate(sch.get(block).reads):
+        if region.source.same_as(buf):
+            return i
+    raise ValueError("buffer not read by block")
