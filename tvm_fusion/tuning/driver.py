@@ -293,7 +293,7 @@ def tune(
     return TuneResult(path, summaries, time.time() - start, database=database, messages=messages)
 
 
-VERIFY_RESERVE_S = 4.0  # per task, of a time budget: the side-by-side check with the default
+VERIFY_RESERVE_S = 8.0  # per task, of a time budget: the side-by-side check with the default
 
 
 def _task_cost(task) -> float:
