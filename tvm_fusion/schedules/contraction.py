@@ -74,6 +74,7 @@ TILE_OVERHEAD_CYCLES = 100  # per tile: loop, accumulator init, pointer set-up (
 SHORT_STRIDE_PENALTY = 0.5  # per unit of stride: `stride` vector loads and shuffles per vector
 ODD_VECTOR_PENALTY = 3.0  # vector axis extent not a multiple of the SIMD width
 MAX_ROWS = 8
+MAX_EPILOGUE_UNROLL = 64  # copies of an epilogue body per tile (64 = 4 vectors x 16 rows, the largest tile)
 SHORT_TILE_FMAS = 1024  # below: accumulate in the global intermediate (see apply)
 # Cache blocking of the reduction (see _cache_block_plan). L1D is 32 KiB on every x86 core this
 # targets (znver2-4, Skylake..Sapphire Rapids have 32-48 KiB); half of it holds the panel chunk,
@@ -205,7 +206,11 @@ class Contraction(CpuRule):
         # ---- accumulator tile in registers + epilogue right after the tile -------------------
         consumers = sch.get_consumers(main)
         epilogue = None
-        if len(consumers) == 1 and not _writes_param(sch, main, func):
+        if (
+            len(consumers) == 1
+            and not _writes_param(sch, main, func)
+            and not _expands(sch, main, consumers[0])
+        ):
             epilogue = consumers[0]
             if not try_primitive(sch.reverse_compute_at, epilogue, fused):
                 epilogue = None
@@ -438,15 +443,32 @@ class Contraction(CpuRule):
 
     @staticmethod
     def _schedule_tile_epilogue(sch, block, target):
+        """Vectorize the tile's epilogue and unroll its outer loops, at most
+        ``MAX_EPILOGUE_UNROLL`` copies of the body (a tile's worth of vectors: more only makes
+        LLVM slow, as a broadcast epilogue over a whole plane did, ~1,800 copies)."""
         loops = sch.get_loops(block)[1:]
         exts = [int_extent(sch, lp) for lp in loops]
         nontrivial = [(lp, e) for lp, e in zip(loops, exts) if e is not None and e > 1]
         if not nontrivial:
             return
         inner, ext = nontrivial[-1]
-        if ext <= 4 * vector_lanes(target):
+        lanes = vector_lanes(target)
+        outer = [lp for lp, _ in nontrivial[:-1]]
+        if ext <= 4 * lanes:
             try_primitive(sch.vectorize, inner)
-        for lp, _ in nontrivial[:-1]:
+        else:
+            width = (
+                lanes if ext % lanes == 0 else max([d for d in divisors_upto(ext, lanes) if d >= 4] or [1])
+            )
+            if width > 1:
+                inner_o, inner = sch.split(inner, factors=[None, width])
+                try_primitive(sch.vectorize, inner)
+                outer.append(inner_o)
+        copies = 1
+        for lp in reversed(outer):  # innermost first: they hold the tile's registers
+            copies *= int_extent(sch, lp) or MAX_EPILOGUE_UNROLL + 1
+            if copies > MAX_EPILOGUE_UNROLL:
+                break
             try_primitive(sch.unroll, lp)
 
 
@@ -708,6 +730,19 @@ def _layout_free_buffers(func: tirx.PrimFunc) -> set:
     for i in idx:
         out.add(func.params[int(i)])  # in this TVM a PrimFunc param *is* its buffer
     return out
+
+
+def _expands(sch, main, consumer) -> bool:
+    """Whether the consumer computes more elements than the contraction (a broadcast epilogue,
+    such as squeeze-excitation's ``x * sigmoid(conv(..))`` over C x H x W). Computed per tile it
+    would repeat a whole plane per tile, serial within the tile; it runs as its own parallel stage."""
+    main_points = math.prod(
+        int(it.dom.extent) for it in sch.get(main).iter_vars if it.iter_type == tirx.IterVar.DataPar
+    )
+    doms = [it.dom.extent for it in sch.get(consumer).iter_vars]
+    if any(not isinstance(d, tirx.IntImm) for d in doms):
+        return False
+    return math.prod(int(d) for d in doms) > main_points
 
 
 def _writes_param(sch, block, func) -> bool:
