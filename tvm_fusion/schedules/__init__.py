@@ -18,6 +18,7 @@ from tvm import relax
 from tvm.s_tir import dlight as dl
 
 from ..targets import is_gpu
+from ._util import Declining
 from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, cpu_rules
 from .fast_gelu import fast_gelu, fast_gelu_enabled, set_fast_gelu  # registers the GELU legalization
 
@@ -30,17 +31,25 @@ def _target(target):
     return parse_target(target)
 
 
-def default_rules(target) -> list:
-    """The ScheduleRules for target, most specific first."""
-    target = _target(target)
-    if is_gpu(target):
-        return [
+def gpu_rules() -> list:
+    """dlight's GPU rule list, each rule declining (instead of aborting the pass) when it raises."""
+    return [
+        Declining(rule)
+        for rule in (
             dl.gpu.Matmul(),
             dl.gpu.GEMV(),
             dl.gpu.Reduction(),
             dl.gpu.GeneralReduction(),
             dl.gpu.Fallback(),
-        ]
+        )
+    ]
+
+
+def default_rules(target) -> list:
+    """The ScheduleRules for target, most specific first."""
+    target = _target(target)
+    if is_gpu(target):
+        return gpu_rules()
     return cpu_rules()
 
 
@@ -86,6 +95,7 @@ def apply_default_schedules(target, prepack: bool = True) -> tvm.transform.Pass:
 
 __all__ = [
     "Contraction",
+    "Declining",
     "Injective",
     "ParallelFallback",
     "RowReduction",
@@ -94,6 +104,7 @@ __all__ = [
     "cpu_rules",
     "default_rules",
     "default_schedule_passes",
+    "gpu_rules",
     "mark_prepackable",
     "fast_gelu",
     "fast_gelu_enabled",
