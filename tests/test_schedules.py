@@ -414,7 +414,8 @@ def test_fallback_parallelizes_a_reduction_without_splitting_it():
 
 def test_default_rules_per_target():
     cuda = default_rules({"kind": "cuda", "arch": "sm_80"})
-    assert [type(r) for r in cuda] == [
+    # dlight's GPU rules, each wrapped so that one that raises declines (see test_cuda.py)
+    assert [type(r.rule) for r in cuda] == [
         dl.gpu.Matmul,
         dl.gpu.GEMV,
         dl.gpu.Reduction,

@@ -3,6 +3,7 @@
 from .apply_fusion_policy import ApplyFusionPolicy, explain, plan_module
 from .canonicalize_activations import CanonicalizeActivations
 from .fold_batch_norm import FoldBatchNorm
+from .fold_constant_calls import FoldConstantCalls
 from .horizontal_fuse import HorizontalFuse
 from .rewrite_layout import RewriteLayout, count_layout_transforms
 
@@ -10,6 +11,7 @@ __all__ = [
     "ApplyFusionPolicy",
     "CanonicalizeActivations",
     "FoldBatchNorm",
+    "FoldConstantCalls",
     "HorizontalFuse",
     "RewriteLayout",
     "count_layout_transforms",

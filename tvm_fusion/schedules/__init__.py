@@ -70,9 +70,12 @@ def default_schedule_passes(target, prepack: bool = True) -> list[tvm.transform.
         return [dl.ApplyDefaultSchedule(*default_rules(target))]
     if not prepack:
         return [dl.ApplyDefaultSchedule(*cpu_rules(prepack=False))]
+    from ..passes.fold_constant_calls import FoldConstantCalls
+
     return [
         dl.ApplyDefaultSchedule(*default_rules(target)),
         relax.transform.SplitLayoutRewritePreproc(),
+        FoldConstantCalls(),  # all packing functions in one build (FoldConstant: one each)
         relax.transform.FoldConstant(),
         relax.transform.DeadCodeElimination(),
     ]
