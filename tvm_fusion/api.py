@@ -23,7 +23,7 @@ from tvm import relax
 from . import __version__, models
 from .errors import InputError, TargetError, TvmFusionError, last_line
 from .frontend import ImportedModel, TensorSpec, import_onnx
-from .pipeline import pipeline_passes
+from .pipeline import build_pipeline, pipeline_passes
 from .report import Summary, summarize
 from .targets import check_can_build, device_for, parse_target, target_json
 
@@ -160,7 +160,7 @@ def build(
                 tuned = _scheduled_count(mod)
     scheduled = _scheduled_count(mod)
     try:
-        executable = tvm.compile(mod, target=target)
+        executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target))
     except Exception as err:
         raise TvmFusionError(
             f"compiling {imported.name} for {target.kind.name} failed: {last_line(err)}"

@@ -5,6 +5,7 @@ from .canonicalize_activations import CanonicalizeActivations
 from .fold_batch_norm import FoldBatchNorm
 from .fold_constant_calls import FoldConstantCalls
 from .horizontal_fuse import HorizontalFuse
+from .mark_single_buffer_noalias import MarkSingleBufferNoAlias
 from .rewrite_layout import RewriteLayout, count_layout_transforms
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "FoldBatchNorm",
     "FoldConstantCalls",
     "HorizontalFuse",
+    "MarkSingleBufferNoAlias",
     "RewriteLayout",
     "count_layout_transforms",
     "explain",

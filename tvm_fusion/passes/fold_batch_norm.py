@@ -153,6 +153,23 @@ def _static_shape(expr) -> tuple | None:
     return tuple(dims)
 
 
+def _dims(expr) -> tuple | None:
+    """The shape with symbolic dims as their names (a symbolic batch or sequence length does not
+    stop a fold: only the channel dim must be static); None when the shape is unknown."""
+    ty = _tensor_ty(expr)
+    if ty is None or ty.shape is None or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    dims = []
+    for d in ty.shape.values:
+        if isinstance(d, tvm.tirx.IntImm):
+            dims.append(int(d))
+        elif isinstance(d, tvm.tirx.Var):
+            dims.append(d.name)
+        else:
+            return None
+    return tuple(dims)
+
+
 def _dtype(expr) -> str | None:
     ty = _tensor_ty(expr)
     return None if ty is None else str(ty.dtype)
@@ -292,12 +309,12 @@ class _Planner:
         x = bn.args[0]
         if self._touches_replaced(x):
             return  # its input is rewritten this round: plan it next round, on the new IR
-        shape, dtype = _static_shape(x), _dtype(x)
+        shape, dtype = _dims(x), _dtype(x)
         if shape is None or not _is_float(dtype):
             return
         axis = int(attrs.axis)
         axis = axis + len(shape) if axis < 0 else axis
-        if not 0 <= axis < len(shape):
+        if not 0 <= axis < len(shape) or not isinstance(shape[axis], int):
             return
         c = shape[axis]
         params = [self.const_value(a) for a in bn.args[1:5]]
@@ -349,7 +366,7 @@ class _Planner:
         if _op_name(val) != _ADD or not self._only_user_is(x, bn_var) or x in self.looked:
             return x, np.zeros(shape[axis]), None
         for z, b in ((val.args[0], val.args[1]), (val.args[1], val.args[0])):
-            if not isinstance(z, relax.Var) or _static_shape(z) != shape or _dtype(z) != _dtype(x):
+            if not isinstance(z, relax.Var) or _dims(z) != shape or _dtype(z) != _dtype(x):
                 continue
             vec = self.channel_vector(b, shape, axis)
             if vec is not None:
@@ -454,7 +471,7 @@ class _Planner:
         if any(int(p) != 0 for p in attrs.padding) or not _out_dtype_ok(conv, dtype):
             return None  # padded zeros would need the shift too: not exact, leave it
         w = self.const_value(weight)
-        out_shape = _static_shape(conv)
+        out_shape = _dims(conv)
         if w is None or _dtype(weight) != dtype or out_shape is None:
             return None
         w_oi, perm = _to_oi(w.astype(np.float64), k_layout)

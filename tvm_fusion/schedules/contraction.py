@@ -124,8 +124,10 @@ class Contraction(CpuRule):
         kinds = main_info.dom_kind()
         if set(kinds) - {"S", "R"} or "R" not in kinds or "S" not in kinds:
             return None
-        if any(not isinstance(d, int) for d in main_info.dom()):
-            return None  # static shapes only; dynamic ones go to the fallback
+        if any(not isinstance(it.dom, int) for it in main_info.iters if it.kind == "R"):
+            return None  # a symbolic reduction goes to the fallback
+        # symbolic spatial iters (a dynamic batch / sequence length) stay outer loops of the
+        # tile: the micro-kernel's vector and row iters are chosen among the static ones
         main = main_info.block_rv
         stmt = sch.get(main)
         if stmt.init is None or len(stmt.writes) != 1:
@@ -200,7 +202,8 @@ class Contraction(CpuRule):
             sch.reorder(*outer[:n_par], k_o, *outer[n_par:], k_i, *r_loops[1:], *inner)
             fused = sch.fuse(*outer[:n_par]) if n_par > 1 else outer[0]
             init_at = k_o
-        if (int_extent(sch, fused) or 1) > 1 and not small:
+        fused_extent = int_extent(sch, fused)
+        if (fused_extent is None or fused_extent > 1) and not small:
             sch.parallel(fused)
 
         # ---- accumulator tile in registers + epilogue right after the tile -------------------
@@ -294,12 +297,13 @@ class Contraction(CpuRule):
         lanes = vector_lanes(target, dtype)
         regs = num_vector_registers(target)
         max_acc = regs - 4
-        s_iters = [it for it in main_info.iters if it.kind == "S" and it.dom >= 2]
+        s_iters = [it for it in main_info.iters if it.kind == "S" and isinstance(it.dom, int) and it.dom >= 2]
         if not s_iters:
             return []
         out_region = stmt.writes[0]
         cores = num_cores(target)
-        total = math.prod(it.dom for it in main_info.iters if it.kind == "S")
+        # per value of the symbolic iters (their loops run outside every tile)
+        total = math.prod(it.dom for it in main_info.iters if it.kind == "S" and isinstance(it.dom, int))
         r_vars = [it.var for it in main_info.iters if it.kind == "R"]
         r_steps = math.prod(it.dom for it in main_info.iters if it.kind == "R")
         ranked = {}  # (v iter, vt, row iter, rt) -> sort key
@@ -501,7 +505,7 @@ def _cache_block_plan(main_info, reads, layout_free, v_it, vt, row_it, rt, outer
     panel = ([r for r in cands if r.source in layout_free] + cands)[0]
     moving = [i for i, var in enumerate(outer_vars) if access_class(panel, var) != "invariant"]
     n_par = max(moving) + 1
-    exts = [it.dom for it in s_iters]
+    exts = [it.dom if isinstance(it.dom, int) else 1 for it in s_iters]  # symbolic: at least 1
     exts[slots[0]] = v_it.dom // vt
     if len(slots) > 1:
         exts[slots[1]] = row_it.dom // rt
@@ -736,13 +740,22 @@ def _expands(sch, main, consumer) -> bool:
     """Whether the consumer computes more elements than the contraction (a broadcast epilogue,
     such as squeeze-excitation's ``x * sigmoid(conv(..))`` over C x H x W). Computed per tile it
     would repeat a whole plane per tile, serial within the tile; it runs as its own parallel stage."""
-    main_points = math.prod(
-        int(it.dom.extent) for it in sch.get(main).iter_vars if it.iter_type == tirx.IterVar.DataPar
+    main_static, main_symbolic = _points(
+        it.dom.extent for it in sch.get(main).iter_vars if it.iter_type == tirx.IterVar.DataPar
     )
-    doms = [it.dom.extent for it in sch.get(consumer).iter_vars]
-    if any(not isinstance(d, tirx.IntImm) for d in doms):
-        return False
-    return math.prod(int(d) for d in doms) > main_points
+    static, symbolic = _points(it.dom.extent for it in sch.get(consumer).iter_vars)
+    return symbolic != main_symbolic or static > main_static
+
+
+def _points(extents) -> tuple[int, list[str]]:
+    """(product of the static extents, names of the symbolic ones; other expressions as text)."""
+    static, symbolic = 1, []
+    for ext in extents:
+        if isinstance(ext, tirx.IntImm):
+            static *= int(ext)
+        else:
+            symbolic.append(str(ext))
+    return static, sorted(symbolic)
 
 
 def _writes_param(sch, block, func) -> bool:
