@@ -723,3 +723,39 @@ def test_squeeze_excitation_scale_is_its_own_parallel_stage(cpu_target):
     vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target), tvm.cpu())
     got = vm["main"](*[tvm.runtime.tensor(v) for v in feeds.values()]).numpy()
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_prime_row_count_gets_ragged_row_tiles():
+    """197 rows (ViT's sequence) has no divisor to tile by: instead of one-row tiles that stream the
+    whole weight panel per row (17x slower than 196 rows), the rows are tiled with a partial last
+    tile."""
+    w, b = _rand(96, 64, scale=0.1), _rand(64)
+    mod = _module(
+        {"x": (1, 197, 96)}, lambda bb, x: relax.op.add(relax.op.matmul(x, relax.const(w)), relax.const(b))
+    )
+    x = _rand(1, 197, 96)
+    sched = _check(mod, [x], rtol=1e-4, atol=1e-4)
+    (func,) = [f for n, f in _prim_funcs(sched).items() if "matmul" in n]
+    unrolled = [
+        lp
+        for lp in collect_loops(func)
+        if lp.kind == tirx.ForKind.UNROLLED and "matmul_update" in lp.script()
+    ]
+    assert any(int(lp.extent) > 1 for lp in unrolled), func  # a row tile of several rows
+    assert "T.where" in func.script()  # the last tile skips the rows past 197
+    np.testing.assert_allclose(_run(sched, [x]), x @ w + b, rtol=1e-4, atol=1e-4)
+
+
+def test_prime_vector_extent_is_padded_to_whole_vectors():
+    """Attention scores q @ k^T with 197 keys: the key axis is the only contiguous one, and 197 has
+    no divisor to vectorize by. The iteration is padded to whole vectors (zero-padded copy of k^T,
+    padded result cropped) instead of gathering across heads."""
+    mod = _module({"q": (1, 4, 197, 16), "kt": (1, 4, 16, 197)}, lambda bb, q, kt: relax.op.matmul(q, kt))
+    q, kt = _rand(1, 4, 197, 16), _rand(1, 4, 16, 197)
+    sched = _check(mod, [q, kt], rtol=1e-4, atol=1e-4)
+    (func,) = _prim_funcs(sched).values()
+    text = func.script()
+    assert "kt_pad" in text, text
+    assert "* kt_pad[" in text  # the micro-kernel reads the padded copy (vectors along the keys)
+    assert tirx.ForKind.VECTORIZED in loop_kinds(func)
+    np.testing.assert_allclose(_run(sched, [q, kt]), q @ kt, rtol=1e-4, atol=1e-4)

@@ -74,6 +74,9 @@ TILE_OVERHEAD_CYCLES = 100  # per tile: loop, accumulator init, pointer set-up (
 SHORT_STRIDE_PENALTY = 0.5  # per unit of stride: `stride` vector loads and shuffles per vector
 ODD_VECTOR_PENALTY = 3.0  # vector axis extent not a multiple of the SIMD width
 MAX_ROWS = 8
+RAGGED_ROWS = True
+RAGGED_PENALTY = 0.05  # the last tile's bounds check on every row
+PAD_PENALTY = 0.1  # zero-padded operand copies, and the cropping of the padded result
 MAX_EPILOGUE_UNROLL = 64  # copies of an epilogue body per tile (64 = 4 vectors x 16 rows, the largest tile)
 SHORT_TILE_FMAS = 1024  # below: accumulate in the global intermediate (see apply)
 # Cache blocking of the reduction (see _cache_block_plan). L1D is 32 KiB on every x86 core this
@@ -151,6 +154,19 @@ class Contraction(CpuRule):
             rt,
             cost,
         )
+
+        # ---- pad the vector iter to whole vectors (see _plans) -----------------------------------
+        if v_it.dom % vt:
+            v_pos = main_info.iters.index(v_it)
+            row_pos = None if row_it is None else main_info.iters.index(row_it)
+            sch.pad_einsum(main, [vt if i == v_pos else 1 for i in range(len(main_info.iters))])
+            main_info = next(b for b in normalize_prim_func(sch) if b.name == stmt.name_hint)
+            main = main_info.block_rv
+            stmt = sch.get(main)
+            out_buf = stmt.writes[0].source
+            reads = [r for r in stmt.reads if not r.source.same_as(out_buf)]
+            v_it = main_info.iters[v_pos]
+            row_it = None if row_pos is None else main_info.iters[row_pos]
 
         # ---- inline everything that is not a direct producer of the main block -------------------
         self._inline_around(sch, main)
@@ -307,6 +323,7 @@ class Contraction(CpuRule):
         r_vars = [it.var for it in main_info.iters if it.kind == "R"]
         r_steps = math.prod(it.dom for it in main_info.iters if it.kind == "R")
         ranked = {}  # (v iter, vt, row iter, rt) -> sort key
+        pad_ok = _paddable(stmt, layout_free)
         for v_it in s_iters:
             pen = 0.0
             kinds = {}
@@ -330,17 +347,22 @@ class Contraction(CpuRule):
                 kinds[id(r)] = (c, stride)
             out_strided = access_class(out_region, v_it.var) != "contiguous"
             ext = v_it.dom
-            vts = [m * lanes for m in (4, 3, 2, 1) if ext % (m * lanes) == 0]
+            vts = {m * lanes: 0.0 for m in (4, 3, 2, 1) if ext % (m * lanes) == 0}  # vt -> penalty
             if not vts:
-                pen += ODD_VECTOR_PENALTY
                 # one register-sized (or smaller) vector: wider odd vectors become shuffles
-                vts = [d for d in divisors_upto(ext, lanes) if d >= 2][-1:]
+                vts = {d: ODD_VECTOR_PENALTY for d in [d for d in divisors_upto(ext, lanes) if d >= 2][-1:]}
+                if ext > lanes and pad_ok(v_it):
+                    # or the iteration padded to whole vectors (pad_einsum: zero-padded copies of
+                    # the operands that v indexes, and a padded output cropped by the epilogue)
+                    for m in (2, 1):
+                        padded = math.ceil(ext / (m * lanes)) * m * lanes
+                        vts[m * lanes] = PAD_PENALTY + (padded / ext - 1) * 2
                 if not vts:
                     continue
             rows = [None] + [it for it in s_iters if it is not v_it]
             for row_it in rows:
-                rts = [1] if row_it is None else divisors_upto(row_it.dom, self.max_rows)
-                for vt in vts:
+                rts = [1] if row_it is None else _row_tiles(row_it.dom, self.max_rows)
+                for vt, vt_pen in vts.items():
                     nvec = math.ceil(vt / lanes)
                     for rt in rts:
                         acc = rt * nvec
@@ -365,7 +387,11 @@ class Contraction(CpuRule):
                         step = max(acc, loads, FMA_IN_FLIGHT) / 2
                         write_back = acc * (lanes if out_strided else 1) / 2
                         tile = r_steps * step + TILE_OVERHEAD_CYCLES + write_back
-                        cost = pen + tile / (r_steps * acc / 2)
+                        cost = pen + vt_pen + tile / (r_steps * acc / 2)
+                        if row_it is not None and row_it.dom % rt:
+                            # a ragged last tile (197 rows in tiles of 8): its rows past the end
+                            # are skipped, but the tile costs as much as a full one
+                            cost *= math.ceil(row_it.dom / rt) * rt / row_it.dom + RAGGED_PENALTY
                         # load imbalance across cores (1 tile on 2 cores: half the machine idles)
                         ntiles = total // (vt * rt)
                         cost *= math.ceil(ntiles / cores) * cores / max(ntiles, 1)
@@ -508,7 +534,7 @@ def _cache_block_plan(main_info, reads, layout_free, v_it, vt, row_it, rt, outer
     exts = [it.dom if isinstance(it.dom, int) else 1 for it in s_iters]  # symbolic: at least 1
     exts[slots[0]] = v_it.dom // vt
     if len(slots) > 1:
-        exts[slots[1]] = row_it.dom // rt
+        exts[slots[1]] = math.ceil(row_it.dom / rt)
     cores = num_cores(target)
     # parallel tasks: whole tiles of the loops the panel moves with; take more loops in while that
     # leaves cores idle (7 tasks on 2 cores: 12% of the machine waits)
@@ -533,6 +559,40 @@ def _cache_block_plan(main_info, reads, layout_free, v_it, vt, row_it, rt, outer
     if steps < MIN_CHUNK_STEPS:
         return None  # accumulator reload per chunk would cost more than the L1 reuse saves
     return n_par, chunk
+
+
+def _paddable(stmt, layout_free):
+    """``pad_ok(iter)``: whether ``sch.pad_einsum`` can pad that iter of the block: one output,
+    every access a point indexed by bare iter vars or constants, each buffer read once (an
+    einsum: matmul, batch_matmul; not a conv), and no constant weight indexed by the iter (a
+    padded copy of a weight would run at every call instead of being packed once)."""
+    regions = list(stmt.reads) + list(stmt.writes)
+    sources = [r.source for r in regions]
+    einsum = len(stmt.writes) == 1 and len(set(sources)) == len(sources)
+    einsum = einsum and all(
+        isinstance(rng.extent, tirx.IntImm)
+        and int(rng.extent) == 1
+        and isinstance(rng.min, tirx.IntImm | tirx.Var)
+        for r in regions
+        for rng in r.region
+    )
+
+    def pad_ok(it) -> bool:
+        return einsum and not any(
+            r.source in layout_free and any(uses_var(rng.min, it.var) for rng in r.region) for r in stmt.reads
+        )
+
+    return pad_ok
+
+
+def _row_tiles(extent: int, max_rows: int) -> list[int]:
+    """Row tile sizes for a row iter: its divisors, plus ragged tiles (the last one partial) when
+    it has no divisor of at least half ``max_rows`` (197 is prime: without them, one-row tiles
+    that stream the whole weight panel per output row, 17x slower than 196 rows)."""
+    tiles = divisors_upto(extent, max_rows)
+    if RAGGED_ROWS and tiles[-1] < max_rows // 2 and extent > max_rows:
+        tiles += [t for t in range(max_rows // 2, max_rows + 1) if extent % t]
+    return tiles
 
 
 def _imbalance(tasks: int, cores: int) -> float:
