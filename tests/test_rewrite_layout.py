@@ -397,6 +397,17 @@ def _convnext_block():
     return g.finish([g.conv(g.add(y, h), 16, 16, k=1)])
 
 
+def _patch_embedding():
+    """ViT's patch embedding: a 4x4/4 conv, the feature map flattened to [N, C, H*W] and
+    transposed to tokens [N, H*W, C], then a layer norm."""
+    g = models.GraphBuilder("patches", 0)
+    x = g.input("input", (1, 3, 16, 16))
+    w = g.weight("patch_w", (32, 3, 4, 4))
+    h = g.op("Conv", [x, w], kernel_shape=[4, 4], strides=[4, 4])
+    tokens = g.transpose(g.reshape(h, [1, 32, 16]), [0, 2, 1])
+    return g.finish([g.layer_norm(tokens, 32)])
+
+
 @pytest.mark.parametrize(
     "builder,layout,edges",
     [
@@ -404,8 +415,15 @@ def _convnext_block():
         (_fire_module, "NCHW8c", 2),
         (_shuffle_unit, "NHWC", 1),
         (_convnext_block, "NHWC", 2),
+        (_patch_embedding, "NHWC", 1),
     ],
-    ids=["fire_concat_nhwc", "fire_concat_nchw8c", "channel_shuffle_nhwc", "convnext_permute_nhwc"],
+    ids=[
+        "fire_concat_nhwc",
+        "fire_concat_nchw8c",
+        "channel_shuffle_nhwc",
+        "convnext_permute_nhwc",
+        "vit_patch_tokens_nhwc",
+    ],
 )
 def test_concat_split_shuffle_and_permutes_stay_in_the_region(builder, layout, edges):
     """Only the input's transform and the 4-D output's are left (the 2-D output of a spatial mean

@@ -85,13 +85,15 @@ _GPU_KINDS = {"cuda", "rocm", "vulkan", "metal", "opencl", "webgpu"}
 class _Layout:
     """An activation layout for NCHW tensors: ``NHWC`` (block == 0) or ``NCHW{block}c``.
 
-    Channels-last also covers rank-``r`` tensors ``[N, C1.., Ck, H, W]`` (``rank`` = k + 3) as
-    ``[N, H, W, C1.., Ck]``: the form a channel shuffle (reshape C -> (g, C/g), swap, reshape back)
-    takes between its reshapes, so it stays in NHWC instead of ending the region.
+    Channels-last also covers other ranks: ``[N, C1.., Ck, S1.., Ss]`` (``spatial`` = s trailing
+    spatial dims, ``rank`` = 1 + k + s) as ``[N, S1.., Ss, C1.., Ck]``. That is the form a channel
+    shuffle takes between its reshapes (C -> (g, C/g): k = 2), and a flattened feature map
+    (``[N, C, H*W]`` before ViT's token transpose: s = 1), so they stay in the region.
     """
 
     block: int
     rank: int = 4
+    spatial: int = 2
 
     @property
     def name(self) -> str:
@@ -101,53 +103,58 @@ class _Layout:
     def spatial_axes(self) -> list[int]:
         return [1, 2] if self.block == 0 else [2, 3]
 
-    def with_rank(self, rank: int) -> _Layout:
-        return _Layout(self.block, rank)
+    def with_rank(self, rank: int, spatial: int | None = None) -> _Layout:
+        return _Layout(self.block, rank, self.spatial if spatial is None else spatial)
 
     def fits(self, channels: int) -> bool:
         return self.block == 0 or channels % self.block == 0
 
+    @property
+    def channels_last_axes(self) -> list[int]:
+        """The permutation NCHW-form -> channels-last: ``[0, spatial.., channels..]``."""
+        r, sp = self.rank, self.spatial
+        return [0, *range(r - sp, r), *range(1, r - sp)]
+
     def axis(self, axis: int) -> int:
         """Where NCHW axis ``axis`` is in this layout (the chunk axis for C in NCHW{b}c)."""
-        r = self.rank
-        axis %= r
-        if self.block:
-            return axis
-        if axis == 0:
-            return 0
-        if axis >= r - 2:
-            return axis - (r - 3)
-        return axis + 2
+        axis %= self.rank
+        return axis if self.block else self.channels_last_axes.index(axis)
 
     def new_shape(self, shape) -> list[int]:
         shape = list(shape)
         if self.block == 0:
-            return [shape[0], *shape[-2:], *shape[1:-2]]
+            return [shape[a] for a in self.channels_last_axes]
         n, c, h, w = shape
         return [n, c // self.block, h, w, self.block]
 
     def old_shape(self, shape) -> list[int]:
         shape = list(shape)
         if self.block == 0:
-            return [shape[0], *shape[3:], shape[1], shape[2]]
+            old = [0] * self.rank
+            for pos, a in enumerate(self.channels_last_axes):
+                old[a] = shape[pos]
+            return old
         n, co, h, w, ci = shape
         return [n, co * ci, h, w]
 
     def is_reshape(self, shape) -> bool:
         """Whether the transform of an NCHW ``shape`` only moves unit dims (a free reshape)."""
-        spatial = shape[-1] * shape[-2]
-        return spatial == 1 or (self.block == 0 and int(np.prod(shape[1:-2])) == 1)
+        r, sp = self.rank, self.spatial
+        spatial = int(np.prod(shape[r - sp :]))
+        return spatial == 1 or (self.block == 0 and int(np.prod(shape[1 : r - sp])) == 1)
 
     def to_map(self) -> tvm.tirx.IndexMap:
         b, r = self.block, self.rank
         if b == 0:
-            return tvm.tirx.IndexMap.from_func(lambda *i: (i[0], i[r - 2], i[r - 1], *i[1 : r - 2]), ndim=r)
+            axes = self.channels_last_axes
+            return tvm.tirx.IndexMap.from_func(lambda *i: tuple(i[a] for a in axes), ndim=r)
         return tvm.tirx.IndexMap.from_func(lambda n, c, h, w: (n, c // b, h, w, c % b))
 
     def from_map(self) -> tvm.tirx.IndexMap:
         b, r = self.block, self.rank
         if b == 0:
-            return tvm.tirx.IndexMap.from_func(lambda *i: (i[0], *i[3:r], i[1], i[2]), ndim=r)
+            back = [self.channels_last_axes.index(a) for a in range(r)]
+            return tvm.tirx.IndexMap.from_func(lambda *j: tuple(j[p] for p in back), ndim=r)
         return tvm.tirx.IndexMap.from_func(lambda n, co, h, w, ci: (n, co * b + ci, h, w))
 
     def np_act(self, arr: np.ndarray) -> np.ndarray:
@@ -546,7 +553,7 @@ class _LayoutRewriter(relax.PyExprMutator):
             return self._strided_slice(call, out_shape)
         if name in ("relax.mean", "relax.sum", "relax.max", "relax.min"):
             lay = self._native_layout(call.args[0])
-            if lay is None or lay.rank != 4 or call.attrs.axis is None:
+            if lay is None or lay != _Layout(lay.block) or call.attrs.axis is None:
                 return None
             axes = sorted(int(a) % 4 for a in call.attrs.axis)
             if axes != [2, 3]:
@@ -576,7 +583,12 @@ class _LayoutRewriter(relax.PyExprMutator):
             return self._binary(call, out_shape)
         if name in _POOL:
             lay = self._native_layout(call.args[0])
-            if lay is None or str(call.attrs.layout) != "NCHW" or str(call.attrs.out_layout) != "NCHW":
+            if (
+                lay is None
+                or lay != _Layout(lay.block)
+                or str(call.attrs.layout) != "NCHW"
+                or str(call.attrs.out_layout) != "NCHW"
+            ):
                 return None
             fn = {
                 "relax.nn.max_pool2d": relax.op.nn.max_pool2d,
@@ -669,8 +681,8 @@ class _LayoutRewriter(relax.PyExprMutator):
         lay = None
         for arg in call.args:
             lay = lay or self._native_layout(arg)
-        if lay is None or not lay.fits(out_shape[1]):
-            return None
+        if lay is None or not lay.fits(out_shape[1]) or lay != _Layout(lay.block):
+            return None  # (4-D NCHW-form operands only: constants are transformed as such)
         new_args = []
         for arg in call.args:
             shape = _static_shape(arg)
@@ -707,7 +719,7 @@ class _LayoutRewriter(relax.PyExprMutator):
         if lay is None or any(s is None or len(s) != lay.rank for s in shapes):
             return None
         axis = int(call.attrs.axis) % lay.rank
-        if lay.rank != 4 and any(self._native_layout(f) != lay for f in fields):
+        if lay != _Layout(lay.block) and any(self._native_layout(f) != lay for f in fields):
             return None
         if not self._channel_ok(lay, axis, [s[axis] for s in shapes]):
             return None
@@ -770,15 +782,22 @@ class _LayoutRewriter(relax.PyExprMutator):
         )
 
     def _reshape(self, call, out_shape):
-        """A reshape among the channel dims only (N, H, W kept) stays channels-last."""
+        """Channels-last reshapes: among the channel dims (N and the spatial dims kept), or the
+        spatial dims merged into one (``[N, C, H, W] -> [N, C, H*W]``)."""
         lay = self._native_layout(call.args[0])
         shape = _static_shape(call.args[0])
-        if lay is None or lay.block or shape is None or out_shape is None or len(out_shape) < 4:
+        if lay is None or lay.block or shape is None or out_shape is None or len(out_shape) < 3:
             return None
-        if shape[0] != out_shape[0] or shape[-2:] != out_shape[-2:]:
-            return None
-        new = lay.with_rank(len(out_shape))
-        return new, relax.op.reshape(self._in(call.args[0], lay), new.new_shape(out_shape))
+        sp, r = lay.spatial, lay.rank
+        x = self._in(call.args[0], lay)
+        if shape[0] == out_shape[0] and shape[-sp:] == out_shape[-sp:] and len(out_shape) > sp + 1:
+            new = lay.with_rank(len(out_shape))
+            return new, relax.op.reshape(x, new.new_shape(out_shape))
+        channels = shape[1 : r - sp]
+        if out_shape[:-1] == shape[: r - sp] and out_shape[-1] == int(np.prod(shape[r - sp :])):
+            new = lay.with_rank(len(out_shape), spatial=1)
+            return new, relax.op.reshape(x, [shape[0], out_shape[-1], *channels])
+        return None
 
     def _permute_dims(self, call, out_shape):
         x = call.args[0]
@@ -787,7 +806,6 @@ class _LayoutRewriter(relax.PyExprMutator):
         if shape is None or out_shape is None or call.attrs.axes is None:
             return None
         axes = [int(a) for a in call.attrs.axes]
-        r = len(axes)
         if lay is None:
             # the model's own NHWC -> NCHW permute of a plain tensor: NHWC native is that tensor
             if self.layout.block == 0 and axes == [0, 3, 1, 2] and isinstance(x, relax.Var):
@@ -796,12 +814,14 @@ class _LayoutRewriter(relax.PyExprMutator):
             return None
         if lay.block:
             return None
-        if lay.rank == 4 and axes == [0, 2, 3, 1]:
-            return None, self._in(x, lay)  # NCHW -> NHWC of an NHWC tensor: the tensor itself
-        if axes[0] == 0 and axes[-2:] == [r - 2, r - 1]:
+        if axes == lay.channels_last_axes:
+            # NCHW -> NHWC (ConvNeXt), [N, C, L] -> [N, L, C] (ViT's tokens): the native tensor
+            return None, self._in(x, lay)
+        r, sp = lay.rank, lay.spatial
+        if axes[0] == 0 and axes[r - sp :] == list(range(r - sp, r)):
             # channels among themselves: the same permutation of the trailing channel dims
-            inner = [3 + a - 1 for a in axes[1:-2]]
-            return lay, relax.op.permute_dims(self._in(x, lay), [0, 1, 2, *inner])
+            inner = [sp + a for a in axes[1 : r - sp]]
+            return lay, relax.op.permute_dims(self._in(x, lay), [0, *range(1, sp + 1), *inner])
         return None
 
     def _call_tir(self, call, out_shape):
@@ -817,8 +837,8 @@ class _LayoutRewriter(relax.PyExprMutator):
         lay = None
         for arg in args.fields:
             lay = lay or self._native_layout(arg)
-        if lay is None or not lay.fits(out_shape[1]):
-            return None
+        if lay is None or not lay.fits(out_shape[1]) or lay != _Layout(lay.block):
+            return None  # (4-D NCHW-form operands only: constants are transformed as such)
         shapes = [_static_shape(a) for a in args.fields]
         if any(s is None or (s != out_shape and len(s) != 0) for s in shapes):
             return None
