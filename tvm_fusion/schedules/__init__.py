@@ -8,7 +8,9 @@ blocks into their own PrimFuncs and folds them into new constants (weights must 
 
 Importing this package also registers a float32 ``relax.nn.gelu`` legalization that uses the
 vectorizable ``topi.fast_erf`` instead of scalar ``erff`` (see ``fast_gelu.py``; switch it off
-with ``set_fast_gelu(False)``, ``with fast_gelu(False):`` or ``TVM_FUSION_FAST_GELU=0``).
+with ``set_fast_gelu(False)``, ``with fast_gelu(False):`` or ``TVM_FUSION_FAST_GELU=0``), and
+float32 exp / sigmoid / SiLU / tanh / tanh-GELU / softmax legalizations with ``topi.fast_exp`` and
+``topi.fast_tanh`` (``fast_exp.py``; ``set_fast_exp(False)`` or ``TVM_FUSION_FAST_EXP=0``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ from tvm.s_tir import dlight as dl
 
 from ..targets import is_gpu
 from ._util import Declining
-from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, cpu_rules
+from .cpu import (
+    Contraction,
+    Injective,
+    ParallelFallback,
+    PlainReduction,
+    RowReduction,
+    WindowReduction,
+    cpu_rules,
+)
+from .fast_exp import fast_exp, fast_exp_enabled, set_fast_exp  # registers exp/sigmoid/tanh/softmax
 from .fast_gelu import fast_gelu, fast_gelu_enabled, set_fast_gelu  # registers the GELU legalization
 
 
@@ -101,6 +112,7 @@ __all__ = [
     "Declining",
     "Injective",
     "ParallelFallback",
+    "PlainReduction",
     "RowReduction",
     "WindowReduction",
     "apply_default_schedules",
@@ -109,7 +121,10 @@ __all__ = [
     "default_schedule_passes",
     "gpu_rules",
     "mark_prepackable",
+    "fast_exp",
+    "fast_exp_enabled",
     "fast_gelu",
     "fast_gelu_enabled",
+    "set_fast_exp",
     "set_fast_gelu",
 ]

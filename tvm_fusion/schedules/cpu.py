@@ -6,11 +6,26 @@ from .contraction import Contraction
 from .fallback import ParallelFallback
 from .injective import Injective
 from .pool import WindowReduction
-from .reduction import RowReduction
+from .reduction import PlainReduction, RowReduction
 
 
 def cpu_rules(prepack: bool = True) -> list:
-    return [WindowReduction(), Contraction(prepack=prepack), RowReduction(), Injective(), ParallelFallback()]
+    return [
+        WindowReduction(),
+        PlainReduction(),
+        Contraction(prepack=prepack),
+        RowReduction(),
+        Injective(),
+        ParallelFallback(),
+    ]
 
 
-__all__ = ["Contraction", "Injective", "ParallelFallback", "RowReduction", "WindowReduction", "cpu_rules"]
+__all__ = [
+    "Contraction",
+    "Injective",
+    "ParallelFallback",
+    "PlainReduction",
+    "RowReduction",
+    "WindowReduction",
+    "cpu_rules",
+]
