@@ -816,3 +816,14 @@ def test_global_mean_reduces_along_the_plane_in_simd_lanes():
     par = [lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.PARALLEL]
     assert par and int(par[0].extent) == 24
     np.testing.assert_allclose(_run(sched, [x]), x.mean(axis=(2, 3), keepdims=True), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("exponent", [2.0, 3.0, 2.5])
+def test_small_integer_power_is_multiplication(exponent):
+    """``x ** 3`` (GPT-2's tanh-GELU) lowers to products, not a powf call per element; other
+    exponents keep the stock lowering."""
+    mod = _module({"x": (4, 64)}, lambda bb, x: relax.op.power(x, relax.const(exponent, "float32")))
+    x = np.abs(_rand(4, 64)) + 0.1
+    legal = relax.transform.LegalizeOps()(mod)
+    assert ("T.pow(" in "\n".join(f.script() for f in _prim_funcs(legal).values())) == (exponent == 2.5)
+    np.testing.assert_allclose(_run(legal, [x]), x.astype("float64") ** exponent, rtol=2e-6)
