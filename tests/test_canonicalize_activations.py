@@ -79,3 +79,30 @@ def test_frontend_clip_kernels_become_named_clip(example):
     assert op_counts(out)["clip"] == 2
     assert [gv.name_hint for gv in out.functions] == ["main"]
     assert max_abs_err(run_relax(out, feeds), ort_run(model, feeds)) < 1e-4
+
+
+def _tanh_gelu_model(cube_exponent=3.0):
+    """GPT-2's "new GELU" as the dynamo exporter writes it (Pow(x, 3), tanh)."""
+    g = models.GraphBuilder("tanh_gelu")
+    x = g.input("input", (2, 16))
+
+    def c(v):
+        return g.const("c", np.array(v, np.float32))
+
+    cube = g.op("Pow", [x, c(cube_exponent)])
+    inner = g.op("Mul", [g.op("Add", [x, g.op("Mul", [cube, c(0.044715)])]), c(math.sqrt(2 / math.pi))])
+    y = g.op("Mul", [g.op("Mul", [x, c(0.5)]), g.op("Add", [g.op("Tanh", [inner]), c(1.0)])])
+    return g.finish([y])
+
+
+def test_tanh_gelu_becomes_one_op_and_powers_become_products():
+    model = _tanh_gelu_model()
+    mod = relax.transform.FoldConstant()(import_onnx(model).mod)
+    out = CanonicalizeActivations()(mod)
+    counts = op_counts(out)
+    assert counts.get("nn.gelu_tanh") == 1 and counts.get("power", 0) == 0 and counts.get("tanh", 0) == 0
+    feeds = models.random_inputs(model)
+    assert max_abs_err(run_relax(out, feeds), ort_run(model, feeds)) < 1e-5
+    # x ** 2.5 is neither: it stays a power; x ** 3 elsewhere becomes products
+    other = CanonicalizeActivations()(relax.transform.FoldConstant()(import_onnx(_tanh_gelu_model(2.5)).mod))
+    assert op_counts(other).get("nn.gelu_tanh", 0) == 0 and op_counts(other).get("power") == 1

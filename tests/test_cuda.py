@@ -53,3 +53,37 @@ def test_cuda_numerics(cuda_build):
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), dev)
     got = vm["main"](*[tvm.runtime.tensor(v, dev) for v in feeds.values()]).numpy()
     assert max_abs_err(got, ort_run(model, feeds)) < 1e-3
+
+
+def _concat_bn_relu_pool():
+    """DenseNet's head: BatchNorm after a Concat (so it cannot fold into a conv: a multiply+add),
+    relu and global average pooling: one ``fused_multiply_add_relu_mean`` kernel."""
+    g = models.GraphBuilder("concat_bn_relu_pool", 0)
+    x = g.input("input", (1, 16, 7, 7))
+    h = g.op("Concat", [x, g.conv(x, 16, 8, k=3), g.conv(x, 16, 8, k=1)], axis=1)
+    h = g.relu(g.batch_norm(h, 32))
+    return g.finish([g.op("Flatten", [g.op("GlobalAveragePool", [h])], axis=1)])
+
+
+def test_a_gpu_rule_that_raises_declines_and_the_next_one_runs(tmp_path):
+    """dlight's GEMV rule asserts on the multiply+add+relu+mean kernel instead of declining; the
+    CUDA rule list lets the next rule schedule it, as the CPU list does."""
+    from tvm.s_tir import dlight as dl
+
+    from tvm_fusion.schedules import Declining
+
+    model = _concat_bn_relu_pool()
+    result = build(model, CUDA, name="concat_bn_relu_pool", tuning_logs=None)
+    funcs = {
+        gv.name_hint: f for gv, f in result.lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)
+    }
+    (name,) = [n for n in funcs if "relu" in n and "mean" in n]
+    assert "threadIdx" in funcs[name].script()
+    assert result.export(tmp_path / "head.cuda.so").stat().st_size > 10_000
+
+    class Raises(dl.ScheduleRule):
+        def apply(self, func, target, tunable):
+            raise AssertionError("s_loops")
+
+    func = next(iter(funcs.values()))
+    assert Declining(Raises()).apply(func, tvm.target.Target(CUDA), False) is None

@@ -53,3 +53,20 @@ def graph_functions(mod: tvm.IRModule) -> Iterator[tuple[relax.GlobalVar, relax.
         func = mod[gvar]
         if isinstance(func, relax.Function) and not is_primitive(func):
             yield gvar, func
+
+
+def named_shape(expr) -> tuple[int | str, ...] | None:
+    """The shape with symbolic dims as their names (two tensors with the same symbolic batch
+    compare equal); None when the shape is unknown or has a computed dim."""
+    ty = tensor_type(expr)
+    if ty is None or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    dims: list[int | str] = []
+    for d in ty.shape.values:
+        if isinstance(d, tvm.tirx.IntImm):
+            dims.append(int(d))
+        elif isinstance(d, tvm.tirx.Var):
+            dims.append(d.name)
+        else:
+            return None
+    return tuple(dims)

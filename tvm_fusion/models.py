@@ -179,6 +179,16 @@ def mobilenet_block(batch=1, size=56, channels=24, expand=6, seed=0) -> onnx.Mod
     return g.finish([g.add(h, x)])
 
 
+def se_block(batch=1, size=112, channels=32, reduced=8, seed=0) -> onnx.ModelProto:
+    """A squeeze-excitation block (EfficientNet, RegNet-Y, MobileNet-V3): global average pool,
+    1x1 conv down, relu, 1x1 conv up, sigmoid, and the channel scale broadcast over C x H x W."""
+    g = GraphBuilder("se_block", seed)
+    x = g.input("input", (batch, channels, size, size))
+    s = g.relu(g.conv(g.op("GlobalAveragePool", [x]), channels, reduced, k=1))
+    s = g.op("Sigmoid", [g.conv(s, reduced, channels, k=1)])
+    return g.finish([g.op("Mul", [x, s])])
+
+
 def transformer_block(batch=1, seq=16, hidden=64, heads=4, ffn=None, seed=0) -> onnx.ModelProto:
     """A pre-norm transformer encoder layer in the shape exporters emit (MatMul+Add linears)."""
     ffn = ffn or 4 * hidden
@@ -333,6 +343,7 @@ EXAMPLES: dict[str, Callable[[], onnx.ModelProto]] = {
     "transformer_block": transformer_block,
     "mlp_bn": mlp_bn,
     "mobilenet_block": mobilenet_block,
+    "se_block": se_block,
     "resnet18": resnet18,
     "bert_layer": bert_layer,
     "bert_layer_masked": bert_layer_masked,

@@ -21,7 +21,9 @@ Order, and why:
 7. Schedules: constant weights marked layout-free, tuned records (``MetaScheduleApplyDatabase``),
    default (dlight-style) rules for the rest, packed weights folded into constants.
 
-The result is a lowered Relax module; plain ``tvm.compile(mod, target)`` finishes the build.
+The result is a lowered Relax module; ``tvm.compile(mod, target, relax_pipeline=build_pipeline(target))``
+finishes the build (plain ``tvm.compile`` too, except for modules with symbolic shapes: see
+``MarkSingleBufferNoAlias``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .passes import (
     FoldBatchNorm,
     FuseAttention,
     HorizontalFuse,
+    MarkSingleBufferNoAlias,
     RewriteLayout,
 )
 from .policy import FusionPolicy
@@ -222,10 +225,20 @@ def describe(passes: list[tvm.transform.Pass]) -> str:
     return "\n".join(f"{i + 1:2d}. {p.info.name}" for i, p in enumerate(passes))
 
 
+def build_pipeline(target) -> tvm.transform.Pass:
+    """The Relax pipeline for ``tvm.compile(lowered, target, relax_pipeline=...)``: what
+    ``"default"`` means there, then ``MarkSingleBufferNoAlias`` for the shape functions it makes
+    (without it a module with symbolic shapes loses ``noalias`` in every kernel, see that pass)."""
+    target = parse_target(target)
+    lower = relax.get_default_pipeline(target) if "gpu" in target.keys else relax.get_pipeline("default")
+    return tvm.transform.Sequential([lower, MarkSingleBufferNoAlias()], name="tvm_fusion_lower")
+
+
 @relax.register_pipeline("tvm_fusion")
 def _registered_pipeline(target=None, policy=None, **options):
     """``relax.get_pipeline("tvm_fusion", target=...)``: our passes then TVM's lowering to the VM."""
     target = parse_target(target or "llvm")
     return tvm.transform.Sequential(
-        [pipeline(target, policy, **options), relax.get_pipeline("default")], name="tvm_fusion_build"
+        [pipeline(target, policy, **options), relax.get_pipeline("default"), MarkSingleBufferNoAlias()],
+        name="tvm_fusion_build",
     )

@@ -3,6 +3,9 @@
 * ``nchwc_conv``: conv2d in the blocked ``NCHW{c}`` layouts ``RewriteLayout`` writes (TVM 0.27
   leaves them unlowered).
 * ``fast_gelu``: float32 GELU with the vectorizable ``topi.fast_erf`` (switchable).
+* ``fast_exp``: float32 exp / sigmoid / SiLU / tanh / tanh-GELU / softmax with ``topi.fast_exp`` and
+  ``topi.fast_tanh`` (LLVM turns a vector ``exp`` into one ``expf`` call per lane; switchable), and
+  ``power(x, c)`` for c in 1..4 as products.
 * ``winograd_conv``: 3×3 stride-1 NCHW conv2d on LLVM CPUs as Winograd F(2×2,3×3) / F(4×4,3×3),
   where the pipeline's decision (``winograd_conv.conv_algorithms``) or the cost rule says so.
 
@@ -21,7 +24,7 @@ from collections.abc import Callable
 import tvm
 from tvm.ir import Op
 
-from . import fast_gelu, nchwc_conv, winograd_conv
+from . import fast_exp, fast_gelu, nchwc_conv, winograd_conv
 
 LEVEL = 21  # above TVM's own registrations (level 10)
 
@@ -54,6 +57,8 @@ def register() -> None:
     """Install every legalization of this package (idempotent)."""
     override_legalization("relax.nn.conv2d", _legalize_conv2d)
     override_legalization("relax.nn.gelu", fast_gelu.legalize_gelu_if_enabled)
+    for op_name, lower in fast_exp.lowerings().items():
+        override_legalization(op_name, lower)
 
 
 def stock_legalization(op_name: str) -> Callable:

@@ -4,8 +4,10 @@ from .apply_fusion_policy import ApplyFusionPolicy, explain, plan_module
 from .bind_unknown_shapes import BindUnknownShapes
 from .canonicalize_activations import CanonicalizeActivations
 from .fold_batch_norm import FoldBatchNorm
+from .fold_constant_calls import FoldConstantCalls
 from .fuse_attention import FuseAttention, attention_decisions
 from .horizontal_fuse import HorizontalFuse
+from .mark_single_buffer_noalias import MarkSingleBufferNoAlias
 from .rewrite_layout import RewriteLayout, count_layout_transforms
 
 __all__ = [
@@ -13,8 +15,10 @@ __all__ = [
     "BindUnknownShapes",
     "CanonicalizeActivations",
     "FoldBatchNorm",
+    "FoldConstantCalls",
     "FuseAttention",
     "HorizontalFuse",
+    "MarkSingleBufferNoAlias",
     "RewriteLayout",
     "attention_decisions",
     "count_layout_transforms",

@@ -4,7 +4,10 @@ ONNX below opset 20 has no GELU, so exporters write ``x * 0.5 * (1 + erf(x / sqr
 whose ``x`` feeds two branches. The unique-consumer rule rightly refuses to fuse across that
 diamond, so ``matmul -> add -> gelu`` would cost three kernels instead of one. Rewriting the
 subgraph to ``R.nn.gelu(x)`` (same formula after legalisation) makes it a plain epilogue.
-Likewise ``x * sigmoid(x)`` becomes ``R.nn.silu(x)``, and the Relax ONNX frontend's Clip, which it
+GPT-2's tanh form ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` becomes
+``R.nn.gelu_tanh(x)`` (its ``x**3`` was a ``powf`` call per element, 18% of GPT-2's time); other
+``x ** 2`` / ``x ** 3`` become products. Likewise ``x * sigmoid(x)`` becomes ``R.nn.silu(x)``,
+and the Relax ONNX frontend's Clip, which it
 emits as opaque ``call_tir(maximum)`` / ``call_tir(minimum)`` TE kernels, becomes ``R.clip`` (or
 ``R.maximum`` / ``R.minimum``), so later passes see a named elementwise op instead of a black box.
 
@@ -92,6 +95,76 @@ def _match_gelu(var, var2val):
     return None
 
 
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _scaled(expr, var2val, value):
+    """y if ``expr`` is ``y * value`` (either order), else None."""
+    mul = _op(expr, var2val, "multiply")
+    if mul is None:
+        return None
+    for y, c in (mul.args, mul.args[::-1]):
+        scale = _scalar(c, var2val)
+        if scale is not None and math.isclose(scale, value, rel_tol=1e-4):
+            return y
+    return None
+
+
+def _is_cube_of(expr, x, var2val) -> bool:
+    power = _op(expr, var2val, "power")
+    return power is not None and power.args[0].same_as(x) and _scalar(power.args[1], var2val) == 3.0
+
+
+def _tanh_gelu_input(expr, var2val):
+    """x if ``expr`` is ``tanh(sqrt(2/pi) * (x + 0.044715 * x**3))``."""
+    tanh = _op(expr, var2val, "tanh")
+    inner = _scaled(tanh.args[0], var2val, _SQRT_2_OVER_PI) if tanh is not None else None
+    add = _op(inner, var2val, "add") if inner is not None else None
+    if add is None:
+        return None
+    for x, cubic in (add.args, add.args[::-1]):
+        cube = _scaled(cubic, var2val, 0.044715)
+        if cube is not None and _is_cube_of(cube, x, var2val):
+            return x
+    return None
+
+
+def _match_gelu_tanh(var, var2val):
+    """``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` (GPT-2's "new GELU")."""
+    leaves = _factors(var, var2val)
+    if len(leaves) != 3:
+        return None
+    half = [leaf for leaf in leaves if (s := _scalar(leaf, var2val)) is not None and math.isclose(s, 0.5)]
+    if len(half) != 1:
+        return None
+    for one_plus in leaves:
+        add = _op(one_plus, var2val, "add")
+        if add is None:
+            continue
+        for tanh_part, one in (add.args, add.args[::-1]):
+            if _scalar(one, var2val) != 1.0:
+                continue
+            x = _tanh_gelu_input(tanh_part, var2val)
+            rest = [leaf for leaf in leaves if not leaf.same_as(one_plus) and not leaf.same_as(half[0])]
+            if x is not None and len(rest) == 1 and rest[0].same_as(x):
+                return relax.op.nn.gelu_tanh(x)
+    return None
+
+
+def _match_small_power(var, var2val):
+    """``x ** 2`` / ``x ** 3`` with a constant exponent: products (RMS norms square, tanh-GELU
+    cubes), which fuse as elementwise ops and need no ``powf`` call per element."""
+    power = _op(var, var2val, "power")
+    exponent = _scalar(power.args[1], var2val) if power is not None else None
+    if exponent not in (2.0, 3.0):
+        return None
+    x = power.args[0]
+    if not tvm_ffi.structural_equal(x.ty, power.ty):
+        return None  # the exponent broadcasts the result
+    square = relax.op.multiply(x, x)
+    return square if exponent == 2.0 else relax.op.multiply(square, x)
+
+
 def _tir_clamp(expr, var2val, mod):
     """``(kind, x, bound)`` for ``call_tir(maximum|minimum, (x, scalar_const))`` emitted by the frontend."""
     value = var2val.get(expr) if isinstance(expr, relax.Var) else expr
@@ -144,7 +217,8 @@ def _match_silu(var, var2val):
 
 @tvm.transform.module_pass(opt_level=0, name="CanonicalizeActivations")
 class CanonicalizeActivations:
-    """Rewrite erf-spelled GELU to ``nn.gelu`` and ``x * sigmoid(x)`` to ``nn.silu``."""
+    """Rewrite erf-spelled GELU to ``nn.gelu``, tanh-spelled GELU to ``nn.gelu_tanh``,
+    ``x * sigmoid(x)`` to ``nn.silu`` and ``x ** 2`` / ``x ** 3`` to products."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         changed = False
@@ -170,7 +244,11 @@ def _rewrite(func: relax.Function, mod: tvm.IRModule | None = None) -> relax.Fun
             if isinstance(binding, relax.VarBinding) and isinstance(binding.var.ty, relax.TensorType):
                 replacement = _match_gelu(binding.var, var2val)
                 if replacement is None:
+                    replacement = _match_gelu_tanh(binding.var, var2val)
+                if replacement is None:
                     replacement = _match_silu(binding.var, var2val)
+                if replacement is None:
+                    replacement = _match_small_power(binding.var, var2val)
                 if replacement is None:
                     replacement = _match_clip(binding.var, var2val, mod)
                 if replacement is not None and np.dtype(str(binding.var.ty.dtype)).kind == "f":

@@ -43,7 +43,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import dtype_of, graph_functions, op_name, static_shape, tensor_type
+from ..ir import dtype_of, graph_functions, named_shape, op_name, static_shape, tensor_type
 
 __all__ = ["FoldBatchNorm"]
 
@@ -264,12 +264,12 @@ class _Planner:
         x = bn.args[0]
         if self._touches_replaced(x):
             return  # its input is rewritten this round: plan it next round, on the new IR
-        shape, dtype = static_shape(x), dtype_of(x)
+        shape, dtype = named_shape(x), dtype_of(x)
         if shape is None or not _is_float(dtype):
             return
         axis = int(attrs.axis)
         axis = axis + len(shape) if axis < 0 else axis
-        if not 0 <= axis < len(shape):
+        if not 0 <= axis < len(shape) or not isinstance(shape[axis], int):
             return
         c = shape[axis]
         params = [self.const_value(a) for a in bn.args[1:5]]
@@ -321,7 +321,7 @@ class _Planner:
         if op_name(val) != _ADD or not self._only_user_is(x, bn_var) or x in self.looked:
             return x, np.zeros(shape[axis]), None
         for z, b in ((val.args[0], val.args[1]), (val.args[1], val.args[0])):
-            if not isinstance(z, relax.Var) or static_shape(z) != shape or dtype_of(z) != dtype_of(x):
+            if not isinstance(z, relax.Var) or named_shape(z) != shape or dtype_of(z) != dtype_of(x):
                 continue
             vec = self.channel_vector(b, shape, axis)
             if vec is not None:
@@ -426,7 +426,7 @@ class _Planner:
         if any(int(p) != 0 for p in attrs.padding) or not _out_dtype_ok(conv, dtype):
             return None  # padded zeros would need the shift too: not exact, leave it
         w = self.const_value(weight)
-        out_shape = static_shape(conv)
+        out_shape = named_shape(conv)
         if w is None or dtype_of(weight) != dtype or out_shape is None:
             return None
         w_oi, perm = _to_oi(w.astype(np.float64), k_layout)

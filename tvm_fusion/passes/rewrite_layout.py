@@ -87,9 +87,17 @@ _POOL = {"relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_po
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Layout:
-    """An activation layout for 4-D NCHW tensors: ``NHWC`` (block == 0) or ``NCHW{block}c``."""
+    """An activation layout for NCHW tensors: ``NHWC`` (block == 0) or ``NCHW{block}c``.
+
+    Channels-last also covers other ranks: ``[N, C1.., Ck, S1.., Ss]`` (``spatial`` = s trailing
+    spatial dims, ``rank`` = 1 + k + s) as ``[N, S1.., Ss, C1.., Ck]``. That is the form a channel
+    shuffle takes between its reshapes (C -> (g, C/g): k = 2), and a flattened feature map
+    (``[N, C, H*W]`` before ViT's token transpose: s = 1), so they stay in the region.
+    """
 
     block: int
+    rank: int = 4
+    spatial: int = 2
 
     @property
     def name(self) -> str:
@@ -99,24 +107,59 @@ class _Layout:
     def spatial_axes(self) -> list[int]:
         return [1, 2] if self.block == 0 else [2, 3]
 
+    def with_rank(self, rank: int, spatial: int | None = None) -> _Layout:
+        return _Layout(self.block, rank, self.spatial if spatial is None else spatial)
+
     def fits(self, channels: int) -> bool:
         return self.block == 0 or channels % self.block == 0
 
+    @property
+    def channels_last_axes(self) -> list[int]:
+        """The permutation NCHW-form -> channels-last: ``[0, spatial.., channels..]``."""
+        r, sp = self.rank, self.spatial
+        return [0, *range(r - sp, r), *range(1, r - sp)]
+
+    def axis(self, axis: int) -> int:
+        """Where NCHW axis ``axis`` is in this layout (the chunk axis for C in NCHW{b}c)."""
+        axis %= self.rank
+        return axis if self.block else self.channels_last_axes.index(axis)
+
     def new_shape(self, shape) -> list[int]:
+        shape = list(shape)
+        if self.block == 0:
+            return [shape[a] for a in self.channels_last_axes]
         n, c, h, w = shape
-        return [n, h, w, c] if self.block == 0 else [n, c // self.block, h, w, self.block]
+        return [n, c // self.block, h, w, self.block]
 
-    def to_map(self):
-        b = self.block
-        if b == 0:
-            return lambda n, c, h, w: (n, h, w, c)
-        return lambda n, c, h, w: (n, c // b, h, w, c % b)
+    def old_shape(self, shape) -> list[int]:
+        shape = list(shape)
+        if self.block == 0:
+            old = [0] * self.rank
+            for pos, a in enumerate(self.channels_last_axes):
+                old[a] = shape[pos]
+            return old
+        n, co, h, w, ci = shape
+        return [n, co * ci, h, w]
 
-    def from_map(self):
-        b = self.block
+    def is_reshape(self, shape) -> bool:
+        """Whether the transform of an NCHW ``shape`` only moves unit dims (a free reshape)."""
+        r, sp = self.rank, self.spatial
+        spatial = int(np.prod(shape[r - sp :]))
+        return spatial == 1 or (self.block == 0 and int(np.prod(shape[1 : r - sp])) == 1)
+
+    def to_map(self) -> tvm.tirx.IndexMap:
+        b, r = self.block, self.rank
         if b == 0:
-            return lambda n, h, w, c: (n, c, h, w)
-        return lambda n, co, h, w, ci: (n, co * b + ci, h, w)
+            axes = self.channels_last_axes
+            return tvm.tirx.IndexMap.from_func(lambda *i: tuple(i[a] for a in axes), ndim=r)
+        return tvm.tirx.IndexMap.from_func(lambda n, c, h, w: (n, c // b, h, w, c % b))
+
+    def from_map(self) -> tvm.tirx.IndexMap:
+        b, r = self.block, self.rank
+        if b == 0:
+            back = [self.channels_last_axes.index(a) for a in range(r)]
+            return tvm.tirx.IndexMap.from_func(lambda *j: tuple(j[p] for p in back), ndim=r)
+        return tvm.tirx.IndexMap.from_func(lambda n, co, h, w, ci: (n, co * b + ci, h, w))
 
     def np_act(self, arr: np.ndarray) -> np.ndarray:
         """Transform a 4-D NCHW array whose C dim is 1 or divisible by the block (broadcast ok)."""
@@ -258,8 +301,9 @@ class _LayoutRewriter(relax.PyExprMutator):
         self._reset()
 
     def _reset(self):
-        self.native = {}  # original var -> (layout, var in that layout)
+        self.native = {}  # original var -> (layout, var in that layout); tuple vars: (layout, tuple)
         self.cache = {}  # (original var, layout or None for NCHW) -> converted var
+        self.adopted = set()  # vars whose NCHW form is the model's own permute_dims of a plain tensor
 
     # -- plumbing -----------------------------------------------------------------------------
     def visit_dataflow_block_(self, block):
@@ -273,8 +317,24 @@ class _LayoutRewriter(relax.PyExprMutator):
         key = (var, None)
         if key not in self.cache:
             lay, lv = self.native[var]
-            self.cache[key] = self.builder_.emit(relax.op.layout_transform(lv, lay.from_map()))
+            if isinstance(lv.ty, relax.TupleType):  # a split: each part back to NCHW
+                parts = [
+                    self._back(lay, self.builder_.emit(relax.TupleGetItem(lv, i)))
+                    for i in range(len(lv.ty.fields))
+                ]
+                self.cache[key] = self.builder_.emit(relax.Tuple(parts))
+            elif var in self.adopted:  # the model's own permute, re-emitted where NCHW is needed
+                self.cache[key] = self.builder_.emit(relax.op.permute_dims(lv, [0, 3, 1, 2]))
+            else:
+                self.cache[key] = self._back(lay, lv)
         return self.cache[key]
+
+    def _back(self, lay: _Layout, lv):
+        """``lv`` (in ``lay``) as NCHW: a layout_transform, or a reshape when only unit dims move."""
+        shape = static_shape(lv)
+        if shape is not None and lay.is_reshape(lay.old_shape(shape)):
+            return self.builder_.emit(relax.op.reshape(lv, lay.old_shape(shape)))
+        return self.builder_.emit(relax.op.layout_transform(lv, lay.from_map()))
 
     def _in(self, expr, lay: _Layout):
         """``expr`` (an original var, 4-D NCHW) in layout ``lay``."""
@@ -285,7 +345,11 @@ class _LayoutRewriter(relax.PyExprMutator):
         key = (expr, lay)
         if key not in self.cache:
             src = self._nchw(expr) if isinstance(expr, relax.Var) else self.visit_expr(expr)
-            self.cache[key] = self.builder_.emit(relax.op.layout_transform(src, lay.to_map()))
+            shape = static_shape(src)
+            if shape is not None and lay.is_reshape(shape):
+                self.cache[key] = self.builder_.emit(relax.op.reshape(src, lay.new_shape(shape)))
+            else:
+                self.cache[key] = self.builder_.emit(relax.op.layout_transform(src, lay.to_map()))
         return self.cache[key]
 
     def _native_layout(self, expr):
@@ -296,12 +360,28 @@ class _LayoutRewriter(relax.PyExprMutator):
     # -- bindings -----------------------------------------------------------------------------
     def visit_var_binding_(self, binding):
         var, value = binding.var, binding.value
+        self._current_var = var
         converted = None
         if self.builder_.current_block_is_dataflow() and isinstance(value, relax.Call):
             try:
                 converted = self._convert(value)
             except _Skip:
                 converted = None
+        elif (
+            self.builder_.current_block_is_dataflow()
+            and isinstance(value, relax.TupleGetItem)
+            and value.tuple_value in self.native
+        ):
+            lay, tup = self.native[value.tuple_value]
+            converted = lay, relax.TupleGetItem(tup, value.index)
+        if converted is not None and converted[0] is None:
+            # a plain (layout-free) result computed from the native tensor: permute_dims(x,
+            # [0, 2, 3, 1]) of NHWC x is x itself; a spatial mean without keepdims is [N, C]
+            new = self.builder_.emit(converted[1], name_hint=var.name)
+            if not isinstance(var, relax.DataflowVar):
+                new = self.builder_.emit_output(new, name_hint=var.name)
+            self.set_var_remap(var, new)
+            return
         if converted is not None:
             lay, expr = converted
             if isinstance(var, relax.DataflowVar):
@@ -310,9 +390,15 @@ class _LayoutRewriter(relax.PyExprMutator):
             else:  # block output: used outside the dataflow block, so hand back NCHW
                 new = self.builder_.emit(expr)
                 self.native[var] = (lay, new)
-                out = self.builder_.emit_output(
-                    relax.op.layout_transform(new, lay.from_map()), name_hint=var.name
-                )
+                if isinstance(new.ty, relax.TupleType) or var in self.adopted:
+                    back = self._nchw(var)
+                else:
+                    shape = static_shape(new)
+                    if shape is not None and lay.is_reshape(lay.old_shape(shape)):
+                        back = relax.op.reshape(new, lay.old_shape(shape))
+                    else:
+                        back = relax.op.layout_transform(new, lay.from_map())
+                out = self.builder_.emit_output(back, name_hint=var.name)
                 self.cache[(var, None)] = out
                 self.set_var_remap(var, out)
             return
@@ -332,6 +418,36 @@ class _LayoutRewriter(relax.PyExprMutator):
             return None
         if call.op.same_as(_CALL_TIR):
             return self._call_tir(call, out_shape)
+        if name == "relax.concat":
+            return self._concat(call, out_shape)
+        if name == "relax.split":
+            return self._split(call)
+        if name == "relax.reshape":
+            return self._reshape(call, out_shape)
+        if name == "relax.permute_dims":
+            return self._permute_dims(call, out_shape)
+        if name == "relax.strided_slice":
+            return self._strided_slice(call, out_shape)
+        if name in ("relax.mean", "relax.sum", "relax.max", "relax.min"):
+            lay = self._native_layout(call.args[0])
+            if lay is None or lay != _Layout(lay.block) or call.attrs.axis is None:
+                return None
+            axes = sorted(int(a) % 4 for a in call.attrs.axis)
+            if axes != [2, 3]:
+                return None
+            fn = {
+                "relax.mean": relax.op.mean,
+                "relax.sum": relax.op.sum,
+                "relax.max": relax.op.max,
+                "relax.min": relax.op.min,
+            }[name]
+            if bool(call.attrs.keepdims):
+                return lay, fn(self._in(call.args[0], lay), axis=lay.spatial_axes, keepdims=True)
+            # [N, C] in any layout: NHWC reduces to it directly, NCHW{b}c to [N, C/b, b]
+            pooled = fn(self._in(call.args[0], lay), axis=lay.spatial_axes, keepdims=False)
+            if lay.block:
+                pooled = relax.op.reshape(self.builder_.emit(pooled), out_shape)
+            return None, pooled
         if out_shape is None or len(out_shape) != 4:
             return None
         if name in _UNARY:
@@ -344,7 +460,12 @@ class _LayoutRewriter(relax.PyExprMutator):
             return self._binary(call, out_shape)
         if name in _POOL:
             lay = self._native_layout(call.args[0])
-            if lay is None or str(call.attrs.layout) != "NCHW" or str(call.attrs.out_layout) != "NCHW":
+            if (
+                lay is None
+                or lay != _Layout(lay.block)
+                or str(call.attrs.layout) != "NCHW"
+                or str(call.attrs.out_layout) != "NCHW"
+            ):
                 return None
             fn = {
                 "relax.nn.max_pool2d": relax.op.nn.max_pool2d,
@@ -372,20 +493,6 @@ class _LayoutRewriter(relax.PyExprMutator):
             if name == "relax.nn.avg_pool2d":
                 kw["count_include_pad"] = bool(call.attrs.count_include_pad)
             return lay, fn(x, **kw)
-        if name in ("relax.mean", "relax.sum", "relax.max", "relax.min"):
-            lay = self._native_layout(call.args[0])
-            if lay is None or call.attrs.axis is None or not bool(call.attrs.keepdims):
-                return None
-            axes = sorted(int(a) % 4 for a in call.attrs.axis)
-            if axes != [2, 3]:
-                return None
-            fn = {
-                "relax.mean": relax.op.mean,
-                "relax.sum": relax.op.sum,
-                "relax.max": relax.op.max,
-                "relax.min": relax.op.min,
-            }[name]
-            return lay, fn(self._in(call.args[0], lay), axis=lay.spatial_axes, keepdims=True)
         return None
 
     def _conv2d(self, call):
@@ -451,8 +558,8 @@ class _LayoutRewriter(relax.PyExprMutator):
         lay = None
         for arg in call.args:
             lay = lay or self._native_layout(arg)
-        if lay is None or not lay.fits(out_shape[1]):
-            return None
+        if lay is None or not lay.fits(out_shape[1]) or lay != _Layout(lay.block):
+            return None  # (4-D NCHW-form operands only: constants are transformed as such)
         new_args = []
         for arg in call.args:
             shape = static_shape(arg)
@@ -475,6 +582,125 @@ class _LayoutRewriter(relax.PyExprMutator):
                 return None
         return lay, relax.Call(call.op, new_args, call.attrs)
 
+    # -- ops that move data between channels: concat, split, slice, channel shuffle -----------
+    def _channel_ok(self, lay: _Layout, axis: int, sizes) -> bool:
+        """NCHW{b}c keeps a cut along C only where it falls on a block boundary."""
+        return lay.block == 0 or axis % 4 != 1 or all(int(n) % lay.block == 0 for n in sizes)
+
+    def _concat(self, call, out_shape):
+        fields = call.args[0].fields if isinstance(call.args[0], relax.Tuple) else None
+        if not fields or out_shape is None or call.attrs.axis is None:
+            return None
+        lay = next((self._native_layout(f) for f in fields if self._native_layout(f) is not None), None)
+        shapes = [static_shape(f) for f in fields]
+        if lay is None or any(s is None or len(s) != lay.rank for s in shapes):
+            return None
+        axis = int(call.attrs.axis) % lay.rank
+        if lay != _Layout(lay.block) and any(self._native_layout(f) != lay for f in fields):
+            return None
+        if not self._channel_ok(lay, axis, [s[axis] for s in shapes]):
+            return None
+        parts = [self._in(f, lay) for f in fields]
+        return lay, relax.op.concat(parts, axis=lay.axis(axis))
+
+    def _split(self, call):
+        lay = self._native_layout(call.args[0])
+        shape = static_shape(call.args[0])
+        if lay is None or shape is None:
+            return None
+        axis = int(call.attrs.axis) % lay.rank
+        sections = call.attrs.indices_or_sections
+        if isinstance(sections, tvm.tirx.IntImm | int):
+            n = int(sections)
+            if not self._channel_ok(lay, axis, [shape[axis] // n]):
+                return None
+            new_sections = n
+        else:
+            cuts = [int(i) for i in sections]
+            if not self._channel_ok(lay, axis, cuts):
+                return None
+            step = lay.block if (lay.block and axis == 1) else 1
+            new_sections = [c // step for c in cuts]
+        return lay, relax.op.split(self._in(call.args[0], lay), new_sections, axis=lay.axis(axis))
+
+    def _strided_slice(self, call, out_shape):
+        lay = self._native_layout(call.args[0])
+        if lay is None or out_shape is None or len(call.args) != 5:
+            return None
+        if not all(
+            isinstance(a, relax.Tuple | relax.ShapeExpr) or hasattr(a, "values") for a in call.args[1:4]
+        ):
+            return None
+        try:
+            axes = [int(a) % lay.rank for a in _ints(call.args[1])]
+            begin, end = _ints(call.args[2]), _ints(call.args[3])
+            strides = _ints(call.args[4]) if call.args[4] is not None else [1] * len(axes)
+        except (TypeError, ValueError, AttributeError):
+            return None
+        shape = static_shape(call.args[0])
+        for ax, b0, e0, st in zip(axes, begin, end, strides):
+            if lay.block and ax == 1:
+                e0 = min(e0, shape[1])
+                if st != 1 or b0 % lay.block or e0 % lay.block:
+                    return None
+        new_axes, new_begin, new_end = [], [], []
+        for ax, b0, e0 in zip(axes, begin, end):
+            step = lay.block if (lay.block and ax == 1) else 1
+            new_axes.append(lay.axis(ax))
+            new_begin.append(b0 // step)
+            new_end.append(min(e0, shape[ax]) // step)
+        return lay, relax.op.strided_slice(
+            self._in(call.args[0], lay),
+            new_axes,
+            new_begin,
+            new_end,
+            strides,
+            bool(call.attrs.assume_inbound),
+        )
+
+    def _reshape(self, call, out_shape):
+        """Channels-last reshapes: among the channel dims (N and the spatial dims kept), or the
+        spatial dims merged into one (``[N, C, H, W] -> [N, C, H*W]``)."""
+        lay = self._native_layout(call.args[0])
+        shape = static_shape(call.args[0])
+        if lay is None or lay.block or shape is None or out_shape is None or len(out_shape) < 3:
+            return None
+        sp, r = lay.spatial, lay.rank
+        x = self._in(call.args[0], lay)
+        if shape[0] == out_shape[0] and shape[-sp:] == out_shape[-sp:] and len(out_shape) > sp + 1:
+            new = lay.with_rank(len(out_shape))
+            return new, relax.op.reshape(x, new.new_shape(out_shape))
+        channels = shape[1 : r - sp]
+        if out_shape[:-1] == shape[: r - sp] and out_shape[-1] == int(np.prod(shape[r - sp :])):
+            new = lay.with_rank(len(out_shape), spatial=1)
+            return new, relax.op.reshape(x, [shape[0], out_shape[-1], *channels])
+        return None
+
+    def _permute_dims(self, call, out_shape):
+        x = call.args[0]
+        lay = self._native_layout(x)
+        shape = static_shape(x)
+        if shape is None or out_shape is None or call.attrs.axes is None:
+            return None
+        axes = [int(a) for a in call.attrs.axes]
+        if lay is None:
+            # the model's own NHWC -> NCHW permute of a plain tensor: NHWC native is that tensor
+            if self.layout.block == 0 and axes == [0, 3, 1, 2] and isinstance(x, relax.Var):
+                self.adopted.add(self._current_var)
+                return self.layout, self.visit_expr(x)
+            return None
+        if lay.block:
+            return None
+        if axes == lay.channels_last_axes:
+            # NCHW -> NHWC (ConvNeXt), [N, C, L] -> [N, L, C] (ViT's tokens): the native tensor
+            return None, self._in(x, lay)
+        r, sp = lay.rank, lay.spatial
+        if axes[0] == 0 and axes[r - sp :] == list(range(r - sp, r)):
+            # channels among themselves: the same permutation of the trailing channel dims
+            inner = [sp + a for a in axes[1 : r - sp]]
+            return lay, relax.op.permute_dims(self._in(x, lay), [0, *range(1, sp + 1), *inner])
+        return None
+
     def _call_tir(self, call, out_shape):
         """call_tir to an elementwise PrimFunc (e.g. the ONNX importer's Clip): relayout its buffers."""
         gvar, args = call.args[0], call.args[1]
@@ -488,8 +714,8 @@ class _LayoutRewriter(relax.PyExprMutator):
         lay = None
         for arg in args.fields:
             lay = lay or self._native_layout(arg)
-        if lay is None or not lay.fits(out_shape[1]):
-            return None
+        if lay is None or not lay.fits(out_shape[1]) or lay != _Layout(lay.block):
+            return None  # (4-D NCHW-form operands only: constants are transformed as such)
         shapes = [static_shape(a) for a in args.fields]
         if any(s is None or (s != out_shape and len(s) != 0) for s in shapes):
             return None
@@ -523,6 +749,11 @@ class _LayoutRewriter(relax.PyExprMutator):
 
 class _Skip(Exception):
     pass
+
+
+def _ints(expr) -> list[int]:
+    fields = expr.fields if isinstance(expr, relax.Tuple) else expr.values
+    return [int(v.value) if isinstance(v, relax.PrimValue) else int(v) for v in fields]
 
 
 def _read_index(sch, block_rv, func, param_index) -> int:

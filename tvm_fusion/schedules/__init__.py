@@ -17,9 +17,20 @@ import tvm
 from tvm import relax
 from tvm.s_tir import dlight as dl
 
+from ..passes.fold_constant_calls import FoldConstantCalls
 from ..targets import is_gpu, parse_target
+from ._util import Declining
 from .attention import LowerAttention, attention_kernel
-from .cpu import Contraction, Injective, ParallelFallback, RowReduction, WindowReduction, Winograd, cpu_rules
+from .cpu import (
+    Contraction,
+    Injective,
+    ParallelFallback,
+    PlainReduction,
+    RowReduction,
+    WindowReduction,
+    Winograd,
+    cpu_rules,
+)
 from .gpu_matmul import TunableMatmul
 from .prepack import SplitWeightPrepack
 
@@ -28,17 +39,26 @@ def _target(target):
     return parse_target(target)
 
 
-def default_rules(target) -> list:
-    """The ScheduleRules for target, most specific first."""
-    target = _target(target)
-    if is_gpu(target):
-        return [
+def gpu_rules() -> list:
+    """dlight's GPU rule list (its Matmul with tunable config), each rule declining (instead of
+    aborting the pass) when it raises."""
+    return [
+        Declining(rule)
+        for rule in (
             TunableMatmul(),  # dlight's Matmul, its config tunable (choice 0: dlight's own)
             dl.gpu.GEMV(),
             dl.gpu.Reduction(),
             dl.gpu.GeneralReduction(),
             dl.gpu.Fallback(),
-        ]
+        )
+    ]
+
+
+def default_rules(target) -> list:
+    """The ScheduleRules for target, most specific first."""
+    target = _target(target)
+    if is_gpu(target):
+        return gpu_rules()
     return cpu_rules()
 
 
@@ -62,6 +82,7 @@ def default_schedule_passes(target, prepack: bool = True) -> list[tvm.transform.
     return [
         dl.ApplyDefaultSchedule(*default_rules(target)),
         SplitWeightPrepack(),
+        FoldConstantCalls(),  # all packing functions in one build (FoldConstant: one each)
         relax.transform.FoldConstant(),
         relax.transform.DeadCodeElimination(),
     ]
@@ -86,8 +107,10 @@ __all__ = [
     "Contraction",
     "LowerAttention",
     "attention_kernel",
+    "Declining",
     "Injective",
     "ParallelFallback",
+    "PlainReduction",
     "RowReduction",
     "TunableMatmul",
     "SplitWeightPrepack",
@@ -97,5 +120,6 @@ __all__ = [
     "cpu_rules",
     "default_rules",
     "default_schedule_passes",
+    "gpu_rules",
     "mark_prepackable",
 ]

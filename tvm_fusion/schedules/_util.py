@@ -218,6 +218,29 @@ def safe_rule(apply):
     return wrapper
 
 
+class Declining(ScheduleRule):
+    """Another rule, made to decline where it raises (dlight's GPU GEMV rule asserts on a
+    multiply+add+relu+mean kernel instead of returning None), so the next rule in the list runs,
+    as ``safe_rule`` does for our CPU rules. ``ApplyDefaultSchedule`` lets one exception abort the
+    whole pass."""
+
+    def __init__(self, rule: ScheduleRule):
+        self.rule = rule
+
+    def is_target_available(self, target: Target) -> bool:
+        return self.rule.is_target_available(target)
+
+    def apply(self, func, target, tunable):
+        try:
+            return self.rule.apply(func, target, tunable)
+        except Exception as err:  # pylint: disable=broad-except
+            logger.debug("%s declined: %s: %s", type(self.rule).__name__, type(err).__name__, err)
+            return None
+
+    def __repr__(self) -> str:
+        return f"Declining({type(self.rule).__name__})"
+
+
 def collect_loops(func_or_stmt) -> list:
     """All tirx.For loops under a PrimFunc / Stmt (this TVM has no stmt_functor.post_order_visit)."""
     root = func_or_stmt.body if isinstance(func_or_stmt, tirx.PrimFunc) else func_or_stmt

@@ -77,6 +77,10 @@ SHORT_STRIDE_PENALTY = 0.5  # per unit of stride: `stride` vector loads and shuf
 ODD_VECTOR_PENALTY = 3.0  # vector axis extent not a multiple of the SIMD width
 MAX_ROWS = 8
 MAX_PLAN_CHOICES = 32  # micro-kernel plans the tuner may pick from (the model's best first)
+RAGGED_ROWS = True
+RAGGED_PENALTY = 0.05  # the last tile's bounds check on every row
+PAD_PENALTY = 0.1  # zero-padded operand copies, and the cropping of the padded result
+MAX_EPILOGUE_UNROLL = 64  # copies of an epilogue body per tile (64 = 4 vectors x 16 rows, the largest tile)
 SHORT_TILE_FMAS = 1024  # below: accumulate in the global intermediate (see apply)
 # Cache blocking of the reduction (see _cache_block_plan). L1D is 32 KiB on every x86 core this
 # targets (znver2-4, Skylake..Sapphire Rapids have 32-48 KiB); half of it holds the panel chunk,
@@ -134,8 +138,10 @@ class Contraction(CpuRule):
         kinds = main_info.dom_kind()
         if set(kinds) - {"S", "R"} or "R" not in kinds or "S" not in kinds:
             return None
-        if any(not isinstance(d, int) for d in main_info.dom()):
-            return None  # static shapes only; dynamic ones go to the fallback
+        if any(not isinstance(it.dom, int) for it in main_info.iters if it.kind == "R"):
+            return None  # a symbolic reduction goes to the fallback
+        # symbolic spatial iters (a dynamic batch / sequence length) stay outer loops of the
+        # tile: the micro-kernel's vector and row iters are chosen among the static ones
         main = main_info.block_rv
         stmt = sch.get(main)
         if stmt.init is None or len(stmt.writes) != 1:
@@ -159,6 +165,19 @@ class Contraction(CpuRule):
             rt,
             cost,
         )
+
+        # ---- pad the vector iter to whole vectors (see _plans) -----------------------------------
+        if v_it.dom % vt:
+            v_pos = main_info.iters.index(v_it)
+            row_pos = None if row_it is None else main_info.iters.index(row_it)
+            sch.pad_einsum(main, [vt if i == v_pos else 1 for i in range(len(main_info.iters))])
+            main_info = next(b for b in normalize_prim_func(sch) if b.name == stmt.name_hint)
+            main = main_info.block_rv
+            stmt = sch.get(main)
+            out_buf = stmt.writes[0].source
+            reads = [r for r in stmt.reads if not r.source.same_as(out_buf)]
+            v_it = main_info.iters[v_pos]
+            row_it = None if row_pos is None else main_info.iters[row_pos]
 
         # ---- inline everything that is not a direct producer of the main block -------------------
         self._inline_around(sch, main)
@@ -219,15 +238,22 @@ class Contraction(CpuRule):
             sch.reorder(*outer[:n_par], k_o, *outer[n_par:], k_i, *r_loops[1:], *inner)
             fused = sch.fuse(*outer[:n_par]) if n_par > 1 else outer[0]
             init_at = k_o
-        if (int_extent(sch, fused) or 1) > 1 and not small:
+        fused_extent = int_extent(sch, fused)
+        if (fused_extent is None or fused_extent > 1) and not small:
             sch.parallel(fused)
 
         # ---- accumulator tile in registers + epilogue right after the tile -------------------
         consumers = sch.get_consumers(main)
         epilogue = None
-        if len(consumers) == 1 and not _writes_param(sch, main, func):
+        if (
+            len(consumers) == 1
+            and not _writes_param(sch, main, func)
+            and not _expands(sch, main, consumers[0])
+        ):
             epilogue = consumers[0]
-            if not try_primitive(sch.reverse_compute_at, epilogue, fused):
+            if not _fits_tile(sch, epilogue, fused) or not try_primitive(
+                sch.reverse_compute_at, epilogue, fused
+            ):
                 epilogue = None
         # This TVM allocates every "local" buffer through TVMBackendAllocWorkspace (no stack
         # alloca), once per tile. For long reductions that is noise and the "local" tile is the
@@ -311,15 +337,17 @@ class Contraction(CpuRule):
         lanes = vector_lanes(target, dtype)
         regs = num_vector_registers(target)
         max_acc = regs - 4
-        s_iters = [it for it in main_info.iters if it.kind == "S" and it.dom >= 2]
+        s_iters = [it for it in main_info.iters if it.kind == "S" and isinstance(it.dom, int) and it.dom >= 2]
         if not s_iters:
             return []
         out_region = stmt.writes[0]
         cores = num_cores(target)
-        total = math.prod(it.dom for it in main_info.iters if it.kind == "S")
+        # per value of the symbolic iters (their loops run outside every tile)
+        total = math.prod(it.dom for it in main_info.iters if it.kind == "S" and isinstance(it.dom, int))
         r_vars = [it.var for it in main_info.iters if it.kind == "R"]
         r_steps = math.prod(it.dom for it in main_info.iters if it.kind == "R")
         ranked = {}  # (v iter, vt, row iter, rt) -> sort key
+        pad_ok = _paddable(stmt, layout_free)
         for v_it in s_iters:
             pen = 0.0
             kinds = {}
@@ -343,17 +371,22 @@ class Contraction(CpuRule):
                 kinds[id(r)] = (c, stride)
             out_strided = access_class(out_region, v_it.var) != "contiguous"
             ext = v_it.dom
-            vts = [m * lanes for m in (4, 3, 2, 1) if ext % (m * lanes) == 0]
+            vts = {m * lanes: 0.0 for m in (4, 3, 2, 1) if ext % (m * lanes) == 0}  # vt -> penalty
             if not vts:
-                pen += ODD_VECTOR_PENALTY
                 # one register-sized (or smaller) vector: wider odd vectors become shuffles
-                vts = [d for d in divisors_upto(ext, lanes) if d >= 2][-1:]
+                vts = {d: ODD_VECTOR_PENALTY for d in [d for d in divisors_upto(ext, lanes) if d >= 2][-1:]}
+                if ext > lanes and pad_ok(v_it):
+                    # or the iteration padded to whole vectors (pad_einsum: zero-padded copies of
+                    # the operands that v indexes, and a padded output cropped by the epilogue)
+                    for m in (2, 1):
+                        padded = math.ceil(ext / (m * lanes)) * m * lanes
+                        vts[m * lanes] = PAD_PENALTY + (padded / ext - 1) * 2
                 if not vts:
                     continue
             rows = [None] + [it for it in s_iters if it is not v_it]
             for row_it in rows:
-                rts = [1] if row_it is None else divisors_upto(row_it.dom, self.max_rows)
-                for vt in vts:
+                rts = [1] if row_it is None else _row_tiles(row_it.dom, self.max_rows)
+                for vt, vt_pen in vts.items():
                     nvec = math.ceil(vt / lanes)
                     for rt in rts:
                         acc = rt * nvec
@@ -378,7 +411,11 @@ class Contraction(CpuRule):
                         step = max(acc, loads, FMA_IN_FLIGHT) / 2
                         write_back = acc * (lanes if out_strided else 1) / 2
                         tile = r_steps * step + TILE_OVERHEAD_CYCLES + write_back
-                        cost = pen + tile / (r_steps * acc / 2)
+                        cost = pen + vt_pen + tile / (r_steps * acc / 2)
+                        if row_it is not None and row_it.dom % rt:
+                            # a ragged last tile (197 rows in tiles of 8): its rows past the end
+                            # are skipped, but the tile costs as much as a full one
+                            cost *= math.ceil(row_it.dom / rt) * rt / row_it.dom + RAGGED_PENALTY
                         # load imbalance across cores (1 tile on 2 cores: half the machine idles)
                         ntiles = total // (vt * rt)
                         cost *= math.ceil(ntiles / cores) * cores / max(ntiles, 1)
@@ -460,15 +497,32 @@ class Contraction(CpuRule):
 
     @staticmethod
     def _schedule_tile_epilogue(sch, block, target):
+        """Vectorize the tile's epilogue and unroll its outer loops, at most
+        ``MAX_EPILOGUE_UNROLL`` copies of the body (a tile's worth of vectors: more only makes
+        LLVM slow, as a broadcast epilogue over a whole plane did, ~1,800 copies)."""
         loops = sch.get_loops(block)[1:]
         exts = [int_extent(sch, lp) for lp in loops]
         nontrivial = [(lp, e) for lp, e in zip(loops, exts) if e is not None and e > 1]
         if not nontrivial:
             return
         inner, ext = nontrivial[-1]
-        if ext <= 4 * vector_lanes(target):
+        lanes = vector_lanes(target)
+        outer = [lp for lp, _ in nontrivial[:-1]]
+        if ext <= 4 * lanes:
             try_primitive(sch.vectorize, inner)
-        for lp, _ in nontrivial[:-1]:
+        else:
+            width = (
+                lanes if ext % lanes == 0 else max([d for d in divisors_upto(ext, lanes) if d >= 4] or [1])
+            )
+            if width > 1:
+                inner_o, inner = sch.split(inner, factors=[None, width])
+                try_primitive(sch.vectorize, inner)
+                outer.append(inner_o)
+        copies = 1
+        for lp in reversed(outer):  # innermost first: they hold the tile's registers
+            copies *= int_extent(sch, lp) or MAX_EPILOGUE_UNROLL + 1
+            if copies > MAX_EPILOGUE_UNROLL:
+                break
             try_primitive(sch.unroll, lp)
 
 
@@ -503,10 +557,10 @@ def _cache_block_plan(
     panel = ([r for r in cands if r.source in layout_free] + cands)[0]
     moving = [i for i, var in enumerate(outer_vars) if access_class(panel, var) != "invariant"]
     n_par = max(moving) + 1
-    exts = [it.dom for it in s_iters]
+    exts = [it.dom if isinstance(it.dom, int) else 1 for it in s_iters]  # symbolic: at least 1
     exts[slots[0]] = v_it.dom // vt
     if len(slots) > 1:
-        exts[slots[1]] = row_it.dom // rt
+        exts[slots[1]] = math.ceil(row_it.dom / rt)
     cores = num_cores(target)
     # parallel tasks: whole tiles of the loops the panel moves with; take more loops in while that
     # leaves cores idle (7 tasks on 2 cores: 12% of the machine waits)
@@ -531,6 +585,54 @@ def _cache_block_plan(
     if steps < MIN_CHUNK_STEPS:
         return None  # accumulator reload per chunk would cost more than the L1 reuse saves
     return n_par, chunk
+
+
+def _paddable(stmt, layout_free):
+    """``pad_ok(iter)``: whether ``sch.pad_einsum`` can pad that iter of the block: one output,
+    every access a point indexed by bare iter vars or constants, each buffer read once (an
+    einsum: matmul, batch_matmul; not a conv), and no constant weight indexed by the iter (a
+    padded copy of a weight would run at every call instead of being packed once)."""
+    regions = list(stmt.reads) + list(stmt.writes)
+    sources = [r.source for r in regions]
+    einsum = len(stmt.writes) == 1 and len(set(sources)) == len(sources)
+    einsum = einsum and all(
+        isinstance(rng.extent, tirx.IntImm)
+        and int(rng.extent) == 1
+        and isinstance(rng.min, tirx.IntImm | tirx.Var)
+        for r in regions
+        for rng in r.region
+    )
+
+    def pad_ok(it) -> bool:
+        return einsum and not any(
+            r.source in layout_free and any(uses_var(rng.min, it.var) for rng in r.region) for r in stmt.reads
+        )
+
+    return pad_ok
+
+
+def _row_tiles(extent: int, max_rows: int) -> list[int]:
+    """Row tile sizes for a row iter: its divisors, plus ragged tiles (the last one partial) larger
+    than its largest divisor (197 is prime: without them, one-row tiles that stream the whole
+    weight panel per output row, 17x slower than 196 rows; 55 rows: tiles of 8, not 5). The cost
+    model charges a ragged tile its wasted rows."""
+    tiles = divisors_upto(extent, max_rows)
+    if RAGGED_ROWS and tiles[-1] < max_rows and extent > max_rows:
+        tiles += [t for t in range(max(tiles[-1] + 1, max_rows // 2), max_rows + 1) if extent % t]
+    return tiles
+
+
+def _fits_tile(sch, epilogue, loop) -> bool:
+    """Whether ``epilogue`` can be computed per tile: under ``loop`` it must cover exactly a box of
+    constant size. A reshape that splits the tiled axis across a tile boundary (192 columns as
+    3 x 64, tiles of 48) makes ``reverse_compute_at`` cover a loop-dependent, larger region, which
+    reads accumulators of other tiles: such an epilogue stays a stage of its own."""
+    probe = sch.copy()
+    if not try_primitive(probe.reverse_compute_at, epilogue, loop):
+        return False
+    loops = probe.get_loops(epilogue)
+    at = next(i for i, lp in enumerate(loops) if probe.get(lp).same_as(probe.get(loop)))
+    return all(int_extent(probe, lp) is not None for lp in loops[at + 1 :])
 
 
 def _imbalance(tasks: int, cores: int) -> float:
@@ -728,6 +830,28 @@ def _layout_free_buffers(func: tirx.PrimFunc) -> set:
     for i in idx:
         out.add(func.params[int(i)])  # in this TVM a PrimFunc param *is* its buffer
     return out
+
+
+def _expands(sch, main, consumer) -> bool:
+    """Whether the consumer computes more elements than the contraction (a broadcast epilogue,
+    such as squeeze-excitation's ``x * sigmoid(conv(..))`` over C x H x W). Computed per tile it
+    would repeat a whole plane per tile, serial within the tile; it runs as its own parallel stage."""
+    main_static, main_symbolic = _points(
+        it.dom.extent for it in sch.get(main).iter_vars if it.iter_type == tirx.IterVar.DataPar
+    )
+    static, symbolic = _points(it.dom.extent for it in sch.get(consumer).iter_vars)
+    return symbolic != main_symbolic or static > main_static
+
+
+def _points(extents) -> tuple[int, list[str]]:
+    """(product of the static extents, names of the symbolic ones; other expressions as text)."""
+    static, symbolic = 1, []
+    for ext in extents:
+        if isinstance(ext, tirx.IntImm):
+            static *= int(ext)
+        else:
+            symbolic.append(str(ext))
+    return static, sorted(symbolic)
 
 
 def _writes_param(sch, block, func) -> bool:

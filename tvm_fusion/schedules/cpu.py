@@ -6,7 +6,7 @@ from .contraction import Contraction
 from .fallback import ParallelFallback
 from .injective import Injective
 from .pool import WindowReduction
-from .reduction import RowReduction
+from .reduction import PlainReduction, RowReduction
 from .winograd import Winograd
 
 
@@ -14,6 +14,7 @@ def cpu_rules(prepack: bool = True) -> list:
     return [
         WindowReduction(),
         Winograd(prepack=prepack),
+        PlainReduction(),
         Contraction(prepack=prepack),
         RowReduction(),
         Injective(),
@@ -25,6 +26,7 @@ __all__ = [
     "Contraction",
     "Injective",
     "ParallelFallback",
+    "PlainReduction",
     "RowReduction",
     "WindowReduction",
     "Winograd",

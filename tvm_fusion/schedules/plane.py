@@ -60,7 +60,9 @@ def flatten_plane(sch, main_info) -> bool:
     pos = main_info.iters.index(h_it)
     if pos + 1 >= len(main_info.iters) or main_info.iters[pos + 1] is not w_it:
         return False
-    plane = (int(h_it.dom), int(w_it.dom))
+    if not isinstance(h_it.dom, int) or not isinstance(w_it.dom, int):
+        return False
+    plane = (h_it.dom, w_it.dom)
     main = main_info.block_rv
     params = set(sch.mod["main"].params)  # in this TVM a PrimFunc param is its buffer
     if any(w.source in params for w in sch.get(main).writes):
@@ -111,6 +113,8 @@ def _plane_iters(block, plane) -> tuple[int, int] | None:
     iters = list(block.iter_vars)
     for k in range(len(iters) - 1):
         h, w = iters[k], iters[k + 1]
+        if not all(isinstance(it.dom.extent, tirx.IntImm) for it in (h, w)):
+            continue
         if (int(h.dom.extent), int(w.dom.extent)) != plane:
             continue
         if h.iter_type != tirx.IterVar.DataPar or w.iter_type != tirx.IterVar.DataPar:

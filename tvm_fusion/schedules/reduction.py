@@ -14,7 +14,17 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.dlight.cpu import Reduction as _DlightReduction
 from tvm.target import Target
 
-from ._util import is_cpu, safe_rule
+from ._util import (
+    CpuRule,
+    bare_var_dim,
+    int_extent,
+    is_cpu,
+    last_dim_stride,
+    safe_rule,
+    try_primitive,
+    vector_lanes,
+)
+from .contraction import _reads_varying_with_reduction, _vectorize_row_inner
 
 
 class RowReduction(ScheduleRule):
@@ -32,3 +42,71 @@ class RowReduction(ScheduleRule):
         if not infos or sum(1 for b in infos if not b.is_injective()) < 2:
             return None
         return self._inner.apply(func, target, tunable)
+
+
+class PlainReduction(CpuRule):
+    """A reduction of one tensor over its trailing, contiguous axes (a global mean / sum / max:
+    squeeze-excitation's pooling, a spatial mean): parallel over the kept axes, the reduction
+    fused into one contiguous loop and summed in SIMD lanes (an rfactor), the epilogue per row.
+
+    The Contraction rule would take it as a one-operand contraction and put its vector axis on
+    channels, gathering one float per lane across planes (EfficientNet's SE means: 6x ORT's)."""
+
+    @safe_rule
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):  # noqa: ARG002
+        opened = self.normalized(func, target)
+        if opened is None:
+            return None
+        sch, infos = opened
+        reductions = [b for b in infos if not b.is_injective()]
+        if len(reductions) != 1:
+            return None
+        info = reductions[0]
+        red = info.block_rv
+        stmt = sch.get(red)
+        kinds = info.dom_kind()
+        n_s = len(kinds) - len(kinds.lstrip("S"))
+        if not n_s or set(kinds[n_s:]) != {"R"} or any(not isinstance(d, int) for d in info.dom()):
+            return None
+        varying = _reads_varying_with_reduction(stmt)
+        if len(varying) != 1:
+            return None  # a contraction of two operands (or nothing): not ours
+        (src,) = [r for r in stmt.reads if r.source.same_as(varying[0])]
+        r_vars = [it.var for it in info.iters[n_s:]]
+        if last_dim_stride(src, r_vars[-1]) != 1 or len(stmt.writes) != 1:
+            return None  # the innermost reduction axis must walk the operand contiguously
+        for blk in sch.get_producers(red):
+            try_primitive(sch.compute_inline, blk)
+        lanes = vector_lanes(target, str(stmt.writes[0].source.dtype))
+        loops = sch.get_loops(red)
+        r_loops = loops[n_s:]
+        if len(r_loops) > 1 and not _contiguous(src, r_vars):
+            return None
+        inner = sch.fuse(*r_loops) if len(r_loops) > 1 else r_loops[0]
+        ext = int_extent(sch, inner)
+        rows = sch.fuse(*loops[:n_s]) if n_s > 1 else loops[0]
+        if (int_extent(sch, rows) or 2) > 1:
+            sch.parallel(rows)  # before the rfactor: afterwards the row loop holds two stages
+        if ext is not None and ext >= 2 * lanes and ext % lanes == 0:
+            _, ki = sch.split(inner, factors=[None, lanes])
+            rf = sch.rfactor(ki, factor_axis=len(stmt.writes[0].region))
+            sch.compute_at(rf, rows, preserve_unit_loops=True)
+            _vectorize_row_inner(sch, rf, lanes)
+        consumers = sch.get_consumers(red)
+        for blk in consumers:
+            if not try_primitive(sch.reverse_compute_inline, blk):
+                try_primitive(sch.reverse_compute_at, blk, rows)
+        return sch
+
+
+def _contiguous(region, r_vars) -> bool:
+    """Whether the reduction iters index the operand's trailing dims, in order (so fusing them
+    walks it linearly)."""
+    dims = []
+    for var in r_vars:
+        d = bare_var_dim(region, var)
+        if d is None:
+            return False
+        dims.append(d)
+    ndim = len(region.region)
+    return dims == list(range(ndim - len(dims), ndim))

@@ -76,6 +76,7 @@ def rule_space(func: tvm.tirx.PrimFunc, target) -> RuleSpace | None:
     ``Contraction`` and ``Winograd`` on CPU, ``TunableMatmul`` on GPU), or None when that rule has
     no decision to make."""
     for rule in default_rules(target):
+        rule = getattr(rule, "rule", rule)  # the rule inside a Declining wrapper (GPU list)
         try:
             sch = rule.apply(func, target, False)
         except Exception:
