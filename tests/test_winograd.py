@@ -207,3 +207,27 @@ def test_tuning_chooses_the_fastest_algorithm_per_conv():
     assert choose_algorithms(tasks, summaries) == {signature: "winograd2"}
     # a model without an eligible conv has no alternatives
     assert alternative_modules(import_onnx(models.example("mlp_bn")).mod, ZNVER3) == []
+
+
+def test_tuning_measures_winograd_kernels_and_the_build_uses_the_choice(tmp_path):
+    """A Winograd kernel packs its weight by computing (G·W·Gᵀ), a block Meta-Schedule's own
+    preproc removal aborts on: its candidates are timed reading pre-packed weights like every other,
+    the per-conv choice lands in the manifest, and the build with the records matches ORT."""
+    import json
+
+    from tvm_fusion import tuning
+
+    tuning.check_environment()
+    tuning.load_tensor_intrinsics()
+    model = _conv_model(32, 64, 14, 1, "relu")
+    res = tuning.tune_model(
+        model, ZNVER3, trials=6, log_root=tmp_path, name="wconv", num_trials_per_iter=2, progress=False
+    )
+    assert len(res.tasks) == 3 and all(t.trials == 2 and t.best_us for t in res.tasks)  # direct, F(2), F(4)
+    manifest = json.loads((res.record_dir / tuning.MANIFEST_FILE).read_text())
+    assert set(manifest["conv_algorithms"].values()) <= {"direct", "winograd2", "winograd4"}
+    assert len(manifest["conv_algorithms"]) == 1
+    built = tvm_fusion.build(model, ZNVER3, name="wconv", tuning_logs=tmp_path)
+    feeds = _feeds(model)
+    (got,) = run_executable(built.executable, feeds)
+    np.testing.assert_allclose(got, ort_run(model, feeds)[0], rtol=1e-4, atol=1e-4)

@@ -235,9 +235,10 @@ def tune(
         if remaining > 0 or (check_default and any(s.best_us is not None for s in summaries)):
             builder = PersistentLocalBuilder(builders or os.cpu_count() or 1, timeout_s)
             runner = make_runner(tracker, num_servers, evaluator, timeout_s)
-        bar = progress_bar(remaining, progress and remaining > 0)
-        search = TaskSearch(rset, search_target, builder, runner, settings, bar, stop, on_batch)
         deadline = None if time_budget_s is None else start + float(time_budget_s)
+        bar = progress_bar(remaining if deadline is None else None, progress and remaining > 0)
+        search = TaskSearch(rset, search_target, builder, runner, settings, bar, stop, on_batch)
+        search.budget_end = deadline
         weights = [_task_cost(t) for t in tasks]
         try:
             for i, (task, summary) in enumerate(zip(tasks, summaries)):

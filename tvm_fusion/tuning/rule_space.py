@@ -28,6 +28,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from ..schedules import default_rules
+from .packed_weights import measure_candidate
 
 # Which algorithm a conv uses (direct / Winograd F(2) / F(4)) is decided before legalization, so it
 # is no knob here: tuning measures each algorithm's kernel as a task of its own (conv_algorithms.py).
@@ -167,7 +168,7 @@ class RuleSpaceSearch(ms.search_strategy.PySearchStrategy):
         pool = self._build(nearest + sampled)
         if len(pool) <= need:
             return pool
-        scores = self.cost_model.predict(self.context, [_candidate(sch) for *_, sch in pool])
+        scores = self.cost_model.predict(self.context, [measure_candidate(sch) for *_, sch in pool])
         ranked = [pool[i] for i in sorted(range(len(pool)), key=lambda i: -float(scores[i]))]
         n_random = int(round(EXPLORE * need))
         chosen = ranked[: need - n_random]
@@ -184,7 +185,7 @@ class RuleSpaceSearch(ms.search_strategy.PySearchStrategy):
         if not batch:
             return None
         self.progress.pending = [effective for _, effective, _ in batch]
-        return [_candidate(sch) for *_, sch in batch]
+        return [measure_candidate(sch) for *_, sch in batch]
 
     def notify_runner_results(self, measure_candidates, results) -> None:
         self.trials += len(results)
@@ -193,7 +194,3 @@ class RuleSpaceSearch(ms.search_strategy.PySearchStrategy):
 
     def clone(self):
         return RuleSpaceSearch(self.space, self.progress, self.seed)
-
-
-def _candidate(sch) -> ms.MeasureCandidate:
-    return ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True))

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
+from .packed_weights import AsBuiltFeatures
 from .records import RecordSet, beats_default, is_search_record, mean_secs, workload_key
 from .rule_space import RuleSpaceSearch, SpaceProgress, rule_space
 
@@ -120,7 +121,9 @@ class StopRequests:
             signal.signal(sig, handler)
 
 
-def progress_bar(total: int, enabled: bool):
+def progress_bar(total: int | None, enabled: bool):
+    """Trials measured out of ``total``; with a time budget ``total`` is None (time, not trials,
+    ends the search) and the postfix says how much of the budget is left."""
     return tqdm(total=total, unit="trial", desc="tuning", disable=not enabled, dynamic_ncols=True)
 
 
@@ -158,6 +161,7 @@ class TaskSearch:
         self._kept: list = []  # the task's records from earlier runs that the database lacks
         self.pending: BaseException | None = None  # raised in a callback, on its way through C++
         self.deadline: float | None = None
+        self.budget_end: float | None = None  # the whole run's time budget, for the progress bar
 
     def run(self, task, summary: TaskSummary, position: str, deadline: float | None = None) -> None:
         """Search until the task's budget is measured (or ``deadline``, a ``time.time()``, passes),
@@ -227,7 +231,10 @@ class TaskSearch:
         self.bar.update(count)
         if position:
             best = f"{summary.best_us:.2f}us" if summary.best_us is not None else "n/a"
-            self.bar.set_postfix_str(f"task {position} {summary.name} best {best}", refresh=True)
+            left = ""
+            if self.budget_end is not None:
+                left = f", {max(self.budget_end - time.time(), 0) / 60:.1f} min left"
+            self.bar.set_postfix_str(f"task {position} {summary.name} best {best}{left}", refresh=True)
         if self.on_batch is not None:
             self.on_batch(summary)
         self.stop.check()
@@ -271,7 +278,7 @@ class TaskSearch:
                 runner=self.runner,
                 database=database,
                 cost_model=ms.cost_model.XGBModel(
-                    num_tuning_cores=settings.num_threads, adaptive_training=True
+                    extractor=AsBuiltFeatures(), num_tuning_cores=settings.num_threads, adaptive_training=True
                 ),
                 measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [callback],
                 task_scheduler="round-robin",

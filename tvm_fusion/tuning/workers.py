@@ -18,12 +18,12 @@ from tvm.driver import build as tvm_build
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.builder import local_builder
-from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from ..errors import TargetError
 from ..targets import is_gpu, target_json
 from .fleet import FleetRunner, Tracker, check_fleet
+from .packed_weights import candidate_args, kernel_as_built
 
 # What Meta-Schedule's GPU rules read from the target; the short "cuda" target lacks them.
 _CUDA_TUNING_DEFAULTS = {
@@ -35,9 +35,9 @@ _CUDA_TUNING_DEFAULTS = {
 
 
 def _worker_build(mod: tvm.IRModule, target: tvm.target.Target, _params=None):
-    """Meta-Schedule's default_build minus its tensor_intrin import (the schedule is applied already)."""
-    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-    return tvm_build(mod, target=target)
+    """Meta-Schedule's default_build minus its tensor_intrin import (the schedule is applied
+    already), with weight packing split off as the build does (``packed_weights``)."""
+    return tvm_build(kernel_as_built(mod), target=target)
 
 
 @derived_object
@@ -112,7 +112,7 @@ def measure_modules(builder, runner, target, items: list[tuple[Any, tvm.IRModule
 
     The fastest round, not the median: on a shared machine other tenants only ever add time, and
     a median of few rounds still swung 2x between identical kernels here."""
-    args = [ms.arg_info.ArgInfo.from_entry_func(m, remove_preproc=True) for _, m in items]
+    args = [candidate_args(m) for _, m in items]
     built = builder.build([ms.builder.BuilderInput(m, target) for _, m in items])
     ok = [i for i, b in enumerate(built) if b.error_msg is None and b.artifact_path]
     device_type = {"llvm": "cpu", "c": "cpu"}.get(target.kind.name, target.kind.name)
