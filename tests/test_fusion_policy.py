@@ -10,13 +10,14 @@ from tvm import relax
 from tvm_fusion import FusionPolicy, Roofline, models
 from tvm_fusion.errors import TvmFusionError
 from tvm_fusion.frontend import import_onnx
+from tvm_fusion.legalize import LegalizeOps
 from tvm_fusion.passes import ApplyFusionPolicy, plan_module
 from tvm_fusion.pipeline import pipeline
 from tvm_fusion.report import kernel_calls, kernel_count, op_counts
 
 LOWER = tvm.transform.Sequential(
     [
-        relax.transform.LegalizeOps(),
+        LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseTIR(),

@@ -174,6 +174,10 @@ def test_untuned_choice_follows_the_measured_rule():
     # and the pipeline applies it: a 64-channel 28x28 conv is a Winograd kernel by default
     funcs = _prim_funcs(_lowered(_conv_model(64, 64, 28, 1, "relu"), None))
     assert any(_stages(f) for f in funcs.values())
+    # a plain LegalizeOps elsewhere in the process (stock TVM's flow) keeps the direct conv
+    with ZNVER3:
+        stock = relax.transform.LegalizeOps()(import_onnx(_conv_model(64, 64, 28, 1, "relu")).mod)
+    assert not any(_stages(f) for f in _prim_funcs(stock).values())
 
 
 def test_rule_space_of_a_winograd_kernel_contains_the_default():

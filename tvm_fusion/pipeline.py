@@ -34,6 +34,7 @@ import tvm
 from tvm import relax
 
 from .errors import TvmFusionError, last_line
+from .legalize import LegalizeOps
 from .legalize import register as register_legalizations
 from .legalize.winograd_conv import conv_algorithms as conv_algorithm_scope
 from .passes import (
@@ -166,15 +167,15 @@ def pipeline_passes(
 
 
 def _legalize(conv_algorithms) -> tvm.transform.Pass:
-    """``LegalizeOps`` with the conv-algorithm decision in scope (the plain pass when None, so a
+    """Our ``LegalizeOps`` with the conv-algorithm decision in scope (none set when None, so a
     caller's own ``winograd_conv.conv_algorithms`` block still applies)."""
     if conv_algorithms is None:
-        return relax.transform.LegalizeOps()
+        return LegalizeOps()
 
     @tvm.transform.module_pass(opt_level=0, name="LegalizeOps")
     def _run(mod, _ctx):
         with conv_algorithm_scope(conv_algorithms):
-            return relax.transform.LegalizeOps()(mod)
+            return LegalizeOps()(mod)
 
     return _run
 

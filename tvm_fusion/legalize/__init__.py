@@ -9,19 +9,24 @@
 * ``winograd_conv``: 3×3 stride-1 NCHW conv2d on LLVM CPUs as Winograd F(2×2,3×3) / F(4×4,3×3),
   where the pipeline's decision (``winograd_conv.conv_algorithms``) or the cost rule says so.
 
-:func:`register` installs them (the pipeline and ``RewriteLayout`` call it; call it yourself before
-``LegalizeOps`` / ``tvm.compile`` of a module that did not go through them).
+:func:`register` installs them (the pipeline and ``RewriteLayout`` call it).
 
 ``LegalizeOps`` (and so ``tvm.compile``) looks up an op's ``FLegalize`` attribute. We register a
 wrapper at a higher level that tries our lowering first and calls the stock one when ours returns
-None, so modules that never use the new forms lower exactly as before. Registering twice is a no-op.
+None. Registration is process-wide, so the wrappers only act inside :func:`enabled` (our pipeline
+runs :class:`LegalizeOps`, which is ``relax.transform.LegalizeOps`` in that scope): a plain
+``tvm.compile`` elsewhere in the same process lowers exactly as stock TVM. The one exception is the
+``NCHW{c}`` conv, which stock TVM cannot lower at all. Registering twice is a no-op.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable
 
 import tvm
+from tvm import relax
 from tvm.ir import Op
 
 from . import fast_exp, fast_gelu, nchwc_conv, winograd_conv
@@ -29,17 +34,39 @@ from . import fast_exp, fast_gelu, nchwc_conv, winograd_conv
 LEVEL = 21  # above TVM's own registrations (level 10)
 
 _stock: dict[str, Callable] = {}  # op name -> TVM's own legalization, for every op we took over
+_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("tvm_fusion_legalizations", default=False)
 
 
-def override_legalization(op_name: str, try_legalize: Callable) -> Callable:
-    """Make ``try_legalize(bb, call)`` the first lowering of ``op_name``; returning None defers to
-    TVM's. Once per op and process (later calls are no-ops). Returns TVM's own legalization."""
+@contextlib.contextmanager
+def enabled():
+    """Within the block, ``LegalizeOps`` lowers with our legalizations (outside it, TVM's own)."""
+    token = _ENABLED.set(True)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+@tvm.transform.module_pass(opt_level=0, name="LegalizeOps")
+class LegalizeOps:
+    """``relax.transform.LegalizeOps`` with our legalizations (registered if needed) in effect."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        register()
+        with enabled():
+            return relax.transform.LegalizeOps()(mod)
+
+
+def override_legalization(op_name: str, try_legalize: Callable, always: bool = False) -> Callable:
+    """Make ``try_legalize(bb, call)`` the first lowering of ``op_name`` inside :func:`enabled`
+    (everywhere with ``always``); returning None defers to TVM's. Once per op and process (later
+    calls are no-ops). Returns TVM's own legalization."""
     if op_name in _stock:
         return _stock[op_name]
     stock = Op.get(op_name).get_attr("FLegalize")
 
     def legalize(bb, call):
-        result = try_legalize(bb, call)
+        result = try_legalize(bb, call) if always or _ENABLED.get() else None
         return stock(bb, call) if result is None else result
 
     tvm.ir.register_op_attr(op_name, "FLegalize", legalize, level=LEVEL)
@@ -48,14 +75,17 @@ def override_legalization(op_name: str, try_legalize: Callable) -> Callable:
 
 
 def _legalize_conv2d(bb, call):
-    """NCHW{c} convs our way, eligible NCHW 3x3 convs as Winograd where chosen, else None."""
+    """NCHW{c} convs our way (always: stock TVM cannot lower them), eligible NCHW 3x3 convs as
+    Winograd where chosen (inside :func:`enabled`), else None."""
     result = nchwc_conv.legalize_conv2d_nchwc(bb, call)
-    return result if result is not None else winograd_conv.legalize_conv2d_winograd(bb, call)
+    if result is None and _ENABLED.get():
+        result = winograd_conv.legalize_conv2d_winograd(bb, call)
+    return result
 
 
 def register() -> None:
     """Install every legalization of this package (idempotent)."""
-    override_legalization("relax.nn.conv2d", _legalize_conv2d)
+    override_legalization("relax.nn.conv2d", _legalize_conv2d, always=True)
     override_legalization("relax.nn.gelu", fast_gelu.legalize_gelu_if_enabled)
     for op_name, lower in fast_exp.lowerings().items():
         override_legalization(op_name, lower)

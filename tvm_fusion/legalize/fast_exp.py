@@ -15,8 +15,8 @@ dtypes keep the stock legalizations.
 
 Switch: :func:`set_fast_exp` (process-wide), the :func:`fast_exp` context manager, or
 ``TVM_FUSION_FAST_EXP=0`` read at import; as for GELU (``fast_gelu.py``), the override wraps
-the stock ``FLegalize`` and also applies to plain ``tvm.compile`` in this process, and tuning
-records are tied to the setting they were made with.
+the stock ``FLegalize`` and acts only in our pipeline's ``LegalizeOps``; tuning records are tied
+to the setting they were made with.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ and ``nn.gelu_tanh`` keep the stock legalization.
 Switch: :func:`set_fast_gelu` (process-wide), the :func:`fast_gelu` context manager, or the
 environment variable ``TVM_FUSION_FAST_GELU=0`` read at import. The override is a wrapper around
 the stock ``FLegalize`` registered at a higher level (``tvm_fusion.legalize.register``, which the
-pipeline calls), consulted when ``LegalizeOps`` runs, so once registered it also applies to plain
-``tvm.compile`` of a module with ``R.nn.gelu`` in this process.
+pipeline calls), and acts only in our pipeline's ``LegalizeOps`` (``tvm_fusion.legalize.enabled``):
+a plain ``tvm.compile`` elsewhere in the process keeps the stock GELU.
 """
 
 from __future__ import annotations
