@@ -42,12 +42,7 @@ def kernel_as_built(mod: tvm.IRModule) -> tvm.IRModule:
         )
         bb.emit_func_output(call)
     split = relax.transform.SplitLayoutRewritePreproc()(bb.get())
-    computes = [
-        f
-        for _, f in split.functions_items()
-        if isinstance(f, tirx.PrimFunc) and not has_layout_rewrite_preproc(f) and _is_compute(f, split)
-    ]
-    (compute,) = computes
+    compute = split[_last_kernel_called(split)]  # after the prepack function (weights -> packed)
     return tvm.IRModule({"main": compute.with_attr("global_symbol", "main")})
 
 
@@ -78,16 +73,17 @@ class AsBuiltFeatures(ms.feature_extractor.PyFeatureExtractor):
         return self.inner.extract_from(context, as_built)
 
 
-def _is_compute(func: tirx.PrimFunc, mod: tvm.IRModule) -> bool:
-    """The split leaves a prepack function (weights in, packed weights out) and the compute one;
-    the compute one is called last in ``main``."""
-    last = None
-    for block in mod["main"].body.blocks:
-        for binding in block.bindings:
-            value = binding.value
-            if isinstance(value, relax.Call) and value.args and isinstance(value.args[0], tvm.ir.GlobalVar):
-                last = value.args[0]
-    return last is not None and mod[last].same_as(func)
+def _last_kernel_called(mod: tvm.IRModule) -> tvm.ir.GlobalVar:
+    """The PrimFunc ``main`` calls last (``call_tir``'s first argument)."""
+    calls = [
+        binding.value.args[0]
+        for block in mod["main"].body.blocks
+        for binding in block.bindings
+        if isinstance(binding.value, relax.Call)
+        and binding.value.args
+        and isinstance(binding.value.args[0], tvm.ir.GlobalVar)
+    ]
+    return calls[-1]
 
 
 def _written_buffers(stmt) -> set:
