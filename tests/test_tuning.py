@@ -557,6 +557,7 @@ def test_time_budget_ends_tasks_and_a_rerun_goes_on(ms_ready, cpu, tmp_path):
     assert all(t.trials >= 1 for t in first.tasks)  # every task got a share
     manifest = json.loads((first.record_dir / tuning.MANIFEST_FILE).read_text())
     assert all(e["budget"] < 10_000 for e in manifest["tasks"].values())  # none marked done
+    assert "/" not in str(first).splitlines()[0].split("trials")[0]  # no "n/10000 trials" per task
     second = tuning.tune(mod, cpu, time_budget_s=15, **kw)
     assert second.new_trials > 0 and second.total_trials > first.total_trials
     with pytest.raises(TvmFusionError, match="time budget must be positive"):

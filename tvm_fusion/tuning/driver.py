@@ -52,6 +52,7 @@ class TuneResult:
     elapsed_s: float
     database: Any = None  # ms MemoryDatabase with the records the build will apply
     messages: list[str] = dataclasses.field(default_factory=list)
+    time_budget_s: float | None = None  # with a time budget, per-task trial budgets mean nothing
 
     def __str__(self) -> str:
         return self.summary()
@@ -70,7 +71,8 @@ class TuneResult:
         for t in self.tasks:
             best = f"{t.best_us:.2f} us" if t.best_us is not None else "n/a"
             state = "skipped (at budget)" if t.skipped else f"+{t.new_trials}"
-            line = f"  {t.name}: {t.trials}/{t.budget} trials ({state}), best {best}"
+            count = f"{t.trials}" if self.time_budget_s is not None else f"{t.trials}/{t.budget}"
+            line = f"  {t.name}: {count} trials ({state}), best {best}"
             if t.default_us is not None:
                 tuned = "n/a" if t.tuned_us is None else f"{t.tuned_us:.2f} us"
                 verdict = "tuned schedule used" if t.applied else "default schedule kept"
@@ -291,7 +293,14 @@ def tune(
                     rset.save()
     skipped, _ = slower_than_default(rset)
     database = rset.to_database(exclude=skipped)
-    return TuneResult(path, summaries, time.time() - start, database=database, messages=messages)
+    return TuneResult(
+        path,
+        summaries,
+        time.time() - start,
+        database=database,
+        messages=messages,
+        time_budget_s=time_budget_s,
+    )
 
 
 VERIFY_RESERVE_S = 14.0  # per task, of a time budget: the side-by-side check with the default
