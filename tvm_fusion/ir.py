@@ -70,3 +70,29 @@ def named_shape(expr) -> tuple[int | str, ...] | None:
         else:
             return None
     return tuple(dims)
+
+
+def tir_stmts(root) -> Iterator:
+    """Every statement under ``root`` (a PrimFunc or a Stmt), the root included; this TVM has no
+    ``stmt_functor.post_order_visit``."""
+    stack = [root.body if isinstance(root, tvm.tirx.PrimFunc) else root]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, tvm.tirx.SeqStmt):
+            stack.extend(node.seq)
+            continue
+        for name in ("body", "block", "init", "then_case", "else_case"):
+            child = getattr(node, name, None)
+            if isinstance(child, tvm.tirx.Stmt):
+                stack.append(child)
+
+
+def count_uses(func: relax.Function) -> dict[relax.Var, int]:
+    """How many bindings (plus the function result) read each var."""
+    uses: dict[relax.Var, int] = {}
+    exprs = [b.value for block in func.body.blocks for b in block.bindings] + [func.body.body]
+    for expr in exprs:
+        for var in relax.analysis.free_vars(expr):
+            uses[var] = uses.get(var, 0) + 1
+    return uses

@@ -9,7 +9,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .ir import is_primitive
+from .ir import is_primitive, tir_stmts
 from .passes.rewrite_layout import count_layout_transforms  # noqa: F401  (re-exported: one definition)
 
 
@@ -188,28 +188,11 @@ def _out_channels(weight_shape: list[int], kernel_layout: str) -> int:
     return int(np.prod([d for d, c in zip(weight_shape, letters) if c in "Oo"])) or 1
 
 
-def _stmts(stmt):
-    """Every statement under ``stmt`` (this TVM has no stmt_functor.post_order_visit)."""
-    stack = [stmt]
-    while stack:
-        node = stack.pop()
-        if node is None or isinstance(node, (int, float, str)):
-            continue
-        yield node
-        if isinstance(node, tvm.tirx.SeqStmt):
-            stack.extend(node.seq)
-            continue
-        for name in ("body", "block", "init", "then_case", "else_case"):
-            child = getattr(node, name, None)
-            if isinstance(child, tvm.tirx.Stmt):
-                stack.append(child)
-
-
 def tir_buffers(func: tvm.tirx.PrimFunc) -> list[tuple[str, tuple, str, str]]:
     """``(name, shape, dtype, scope)`` of every buffer a PrimFunc takes or allocates
     (parameters have scope "param")."""
     found = [(b.name, tuple(b.shape), str(b.dtype), "param") for b in func.params if hasattr(b, "shape")]
-    for node in _stmts(func.body):
+    for node in tir_stmts(func):
         allocated = list(getattr(node, "alloc_buffers", []) or [])
         if isinstance(node, tvm.tirx.AllocBuffer):
             allocated.append(node.buffer)

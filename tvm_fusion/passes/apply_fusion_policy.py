@@ -24,7 +24,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import graph_functions
+from ..ir import count_uses, graph_functions
 from ..policy import FLOPS_PER_ELEMENT, REDUCTION_PASSES, FusionPolicy, Roofline
 from ..targets import parse_target
 
@@ -102,7 +102,7 @@ class FusionPlanner:
         self.roofline = roofline
 
     def plan(self, name: str, func: relax.Function) -> FusionReport:
-        uses = _count_uses(func)
+        uses = count_uses(func)
         groups: list[Group] = []
         decisions: list[Decision] = []
         for block in func.body.blocks:
@@ -223,16 +223,6 @@ def _tensor_var_args(call: relax.Call) -> Iterable[relax.Var]:
             if isinstance(item, relax.Var) and item not in seen:
                 seen.append(item)
     return seen
-
-
-def _count_uses(func: relax.Function) -> dict[relax.Var, int]:
-    """How many bindings (plus the function result) read each var."""
-    uses: dict[relax.Var, int] = {}
-    exprs = [b.value for block in func.body.blocks for b in block.bindings] + [func.body.body]
-    for expr in exprs:
-        for var in relax.analysis.free_vars(expr):
-            uses[var] = uses.get(var, 0) + 1
-    return uses
 
 
 def _shape(expr) -> list[int]:

@@ -47,9 +47,10 @@ import math
 
 import numpy as np
 import tvm
-from tvm import relax, tirx
+from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
+from ..ir import count_uses, static_shape
 from ..policy import FusionPolicy
 from ..schedules.attention import ATTENTION_OPS, MAX_BIASES, SPEC_ATTR, AttentionSpec, fused_attention_spec
 
@@ -142,7 +143,7 @@ class _Analysis:
         self.func = func
         self.var2val = relax.analysis.get_var2val(func)
         self.var_of = {value: var for var, value in self.var2val.items()}
-        self.uses = _count_uses(func)
+        self.uses = count_uses(func)
         self.decisions: dict[str, AttentionDecision] = {}
         self.plans: dict[relax.Var, _Plan] = {}  # context var -> plan
         for stages in range(MASK_STAGES, -1, -1):
@@ -406,25 +407,9 @@ class _Analysis:
 
 
 # -- small helpers ------------------------------------------------------------------------------
-def _count_uses(func: relax.Function) -> dict[relax.Var, int]:
-    uses: dict[relax.Var, int] = {}
-    exprs = [b.value for block in func.body.blocks for b in block.bindings] + [func.body.body]
-    for expr in exprs:
-        for var in relax.analysis.free_vars(expr):
-            uses[var] = uses.get(var, 0) + 1
-    return uses
-
-
 def _shape(expr) -> list[int] | None:
-    ty = getattr(expr, "ty", None)
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
-        return None
-    dims = []
-    for dim in ty.shape.values:
-        if not isinstance(dim, tirx.IntImm):
-            return None
-        dims.append(int(dim))
-    return dims
+    dims = static_shape(expr)
+    return None if dims is None else list(dims)
 
 
 def _is_const(expr) -> bool:

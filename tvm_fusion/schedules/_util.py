@@ -12,6 +12,8 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 from tvm.target.codegen import target_has_features
 
+from ..ir import tir_stmts
+
 logger = logging.getLogger("tvm_fusion.schedules")
 
 # Annotation the meta-schedule RewriteLayout postproc puts on a weight-packing block; the Relax pass
@@ -242,23 +244,8 @@ class Declining(ScheduleRule):
 
 
 def collect_loops(func_or_stmt) -> list:
-    """All tirx.For loops under a PrimFunc / Stmt (this TVM has no stmt_functor.post_order_visit)."""
-    root = func_or_stmt.body if isinstance(func_or_stmt, tirx.PrimFunc) else func_or_stmt
-    out, stack = [], [root]
-    while stack:
-        node = stack.pop()
-        if node is None:
-            continue
-        if isinstance(node, tirx.For):
-            out.append(node)
-        if isinstance(node, tirx.SeqStmt):
-            stack.extend(node.seq)
-            continue
-        for name in ("body", "block", "init", "then_case", "else_case"):
-            child = getattr(node, name, None)
-            if child is not None and not isinstance(child, (int, float, str)):
-                stack.append(child)
-    return out
+    """All tirx.For loops under a PrimFunc / Stmt."""
+    return [node for node in tir_stmts(func_or_stmt) if isinstance(node, tirx.For)]
 
 
 def loop_kinds(func) -> set:

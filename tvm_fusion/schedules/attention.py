@@ -37,6 +37,7 @@ from tvm import relax, tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from ..ir import static_shape
 from ._util import num_cores, num_vector_registers, vector_lanes
 
 SPEC_ATTR = "tvm_fusion.attention"
@@ -139,15 +140,8 @@ class AttentionSpec:
 
 
 def _static_shape(expr) -> list[int] | None:
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
-        return None
-    dims = []
-    for dim in ty.shape.values:
-        if not isinstance(dim, tirx.IntImm):
-            return None
-        dims.append(int(dim))
-    return dims
+    dims = static_shape(expr)
+    return None if dims is None else list(dims)
 
 
 def _f32(value: float):

@@ -12,25 +12,15 @@ from __future__ import annotations
 import tvm
 from tvm import relax, tirx
 
+from ..ir import tir_stmts
 from ._util import LAYOUT_REWRITE_PREPROC
 
 
 def has_layout_rewrite_preproc(func: tirx.PrimFunc) -> bool:
     """Whether any block of ``func`` is a weight-packing (layout-rewrite preproc) block."""
-    stack = [func.body]
-    while stack:
-        node = stack.pop()
-        if node is None or isinstance(node, (int, float, str)):
-            continue
-        annotations = getattr(node, "annotations", None)
-        if annotations is not None and LAYOUT_REWRITE_PREPROC in annotations:
-            return True
-        if isinstance(node, tirx.SeqStmt):
-            stack.extend(node.seq)
-            continue
-        for name in ("body", "block", "init", "then_case", "else_case"):
-            stack.append(getattr(node, name, None))
-    return False
+    return any(
+        LAYOUT_REWRITE_PREPROC in (getattr(node, "annotations", None) or {}) for node in tir_stmts(func)
+    )
 
 
 @tvm.transform.module_pass(opt_level=0, name="SplitLayoutRewritePreproc")

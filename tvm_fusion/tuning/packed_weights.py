@@ -13,10 +13,11 @@ the way the build runs it.
 from __future__ import annotations
 
 import tvm
-from tvm import relax, tirx
+from tvm import relax
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
+from ..ir import tir_stmts
 from ..schedules.prepack import has_layout_rewrite_preproc
 
 
@@ -27,7 +28,7 @@ def kernel_as_built(mod: tvm.IRModule) -> tvm.IRModule:
     if not has_layout_rewrite_preproc(func):
         return mod
     buffers = list(func.params)  # in this TVM a PrimFunc param *is* its buffer
-    written = _written_buffers(func.body)
+    written = {region.source for node in tir_stmts(func) for region in getattr(node, "writes", None) or []}
     num_outputs = 0
     while num_outputs < len(buffers) and buffers[-1 - num_outputs] in written:
         num_outputs += 1
@@ -84,20 +85,3 @@ def _last_kernel_called(mod: tvm.IRModule) -> tvm.ir.GlobalVar:
         and isinstance(binding.value.args[0], tvm.ir.GlobalVar)
     ]
     return calls[-1]
-
-
-def _written_buffers(stmt) -> set:
-    """Buffers written by any block under ``stmt``."""
-    out, stack = set(), [stmt]
-    while stack:
-        node = stack.pop()
-        if node is None or isinstance(node, (int, float, str)):
-            continue
-        for region in getattr(node, "writes", None) or []:
-            out.add(region.source)
-        if isinstance(node, tirx.SeqStmt):
-            stack.extend(node.seq)
-            continue
-        for name in ("body", "block", "init", "then_case", "else_case"):
-            stack.append(getattr(node, name, None))
-    return out
