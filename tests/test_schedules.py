@@ -15,6 +15,7 @@ from tvm_fusion import models
 from tvm_fusion.legalize import LegalizeOps
 from tvm_fusion.schedules import (
     Contraction,
+    Depthwise,
     Injective,
     ParallelFallback,
     PlainReduction,
@@ -432,6 +433,7 @@ def test_default_rules_per_target():
     assert [type(r) for r in cpu] == [
         WindowReduction,
         Winograd,
+        Depthwise,
         PlainReduction,
         Contraction,
         RowReduction,

@@ -8,6 +8,8 @@
   ``power(x, c)`` for c in 1..4 as products.
 * ``winograd_conv``: 3×3 stride-1 NCHW conv2d on LLVM CPUs as Winograd F(2×2,3×3) / F(4×4,3×3),
   where the pipeline's decision (``winograd_conv.conv_algorithms``) or the cost rule says so.
+* ``depthwise_conv``: depthwise NCHW conv2d on LLVM CPUs with a polyphase padded input and whole
+  output vectors (stride-2 windows without gathers).
 
 :func:`register` installs them (the pipeline and ``RewriteLayout`` call it).
 
@@ -29,7 +31,7 @@ import tvm
 from tvm import relax
 from tvm.ir import Op
 
-from . import fast_exp, fast_gelu, nchwc_conv, winograd_conv
+from . import depthwise_conv, fast_exp, fast_gelu, nchwc_conv, winograd_conv
 
 LEVEL = 21  # above TVM's own registrations (level 10)
 
@@ -75,11 +77,13 @@ def override_legalization(op_name: str, try_legalize: Callable, always: bool = F
 
 
 def _legalize_conv2d(bb, call):
-    """NCHW{c} convs our way (always: stock TVM cannot lower them), eligible NCHW 3x3 convs as
-    Winograd where chosen (inside :func:`enabled`), else None."""
+    """NCHW{c} convs our way (always: stock TVM cannot lower them); inside :func:`enabled`,
+    eligible NCHW 3x3 convs as Winograd where chosen and depthwise convs our way; else None."""
     result = nchwc_conv.legalize_conv2d_nchwc(bb, call)
     if result is None and _ENABLED.get():
         result = winograd_conv.legalize_conv2d_winograd(bb, call)
+    if result is None and _ENABLED.get():
+        result = depthwise_conv.legalize_depthwise_conv2d(bb, call)
     return result
 
 

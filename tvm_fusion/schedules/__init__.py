@@ -23,6 +23,7 @@ from ._util import Declining
 from .attention import LowerAttention, attention_kernel
 from .cpu import (
     Contraction,
+    Depthwise,
     Injective,
     ParallelFallback,
     PlainReduction,
@@ -105,6 +106,7 @@ def apply_default_schedules(target, prepack: bool = True) -> tvm.transform.Pass:
 
 __all__ = [
     "Contraction",
+    "Depthwise",
     "LowerAttention",
     "attention_kernel",
     "Declining",

@@ -252,6 +252,17 @@ def loop_kinds(func) -> set:
     return {loop.kind for loop in collect_loops(func)}
 
 
+def stage_blocks(sch: s_tir.Schedule, annotation: str) -> dict:
+    """``{stage: block}`` for the root blocks of a schedule annotated ``annotation`` (how the
+    rules for our legalized ops, Winograd and depthwise, find their stages after FuseTIR)."""
+    found = {}
+    for blk in sch.get_child_blocks(sch.get_sblock("root")):
+        stage = sch.get(blk).annotations.get(annotation)
+        if stage is not None:
+            found[str(stage)] = blk
+    return found
+
+
 def reachable_blocks(sch, block, step) -> list:
     """Every block reachable from block by ``step`` (``sch.get_producers`` or
     ``sch.get_consumers``), transitively, nearest first, without duplicates."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .contraction import Contraction
+from .depthwise import Depthwise
 from .fallback import ParallelFallback
 from .injective import Injective
 from .pool import WindowReduction
@@ -14,6 +15,7 @@ def cpu_rules(prepack: bool = True) -> list:
     return [
         WindowReduction(),
         Winograd(prepack=prepack),
+        Depthwise(),
         PlainReduction(),
         Contraction(prepack=prepack),
         RowReduction(),
@@ -24,6 +26,7 @@ def cpu_rules(prepack: bool = True) -> list:
 
 __all__ = [
     "Contraction",
+    "Depthwise",
     "Injective",
     "ParallelFallback",
     "PlainReduction",

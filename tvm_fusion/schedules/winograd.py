@@ -42,6 +42,7 @@ from ._util import (
     num_vector_registers,
     safe_rule,
     schedule_injective_block,
+    stage_blocks,
     try_primitive,
     vector_lanes,
 )
@@ -52,17 +53,6 @@ MAX_PLAN_CHOICES = 12
 FMA_IN_FLIGHT = 8  # FMA latency x pipes: fewer accumulators leave the pipes idle
 TASK_TILE_BYTES = 96 << 10  # a task's α² accumulator tiles (written once, read by the output)
 MIN_TASKS_PER_CORE = 4
-
-
-def _stage_blocks(sch) -> dict:
-    """``{stage: block}`` for the annotated Winograd blocks of a schedule (empty if none)."""
-    found = {}
-    root = sch.get_sblock("root")
-    for blk in sch.get_child_blocks(root):
-        stage = sch.get(blk).annotations.get(STAGE)
-        if stage is not None:
-            found[str(stage)] = blk
-    return found
 
 
 def _layout_free_params(func) -> set:
@@ -112,7 +102,7 @@ class Winograd(CpuRule):
         from tvm import s_tir
 
         sch = s_tir.Schedule(func)
-        stages = _stage_blocks(sch)
+        stages = stage_blocks(sch, STAGE)
         if set(stages) != {"weight", "pad", "input", "gemm", "output"}:
             return None
         knobs = self.last_knobs = Knobs(self.knobs, tunable)

@@ -1,0 +1,192 @@
+"""Depthwise convs (legalize/depthwise_conv.py + schedules/depthwise.py): numerics vs ONNX Runtime
+over strides, odd sizes, kernel sizes and fused epilogues; the kernel's structure (one kernel with
+its epilogue, padding per task, no gather); which convs take the form; the tunable space."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from conftest import ort_run, run_executable
+from tvm import relax, tirx
+
+import tvm_fusion
+from tvm_fusion import models
+from tvm_fusion.frontend import import_onnx
+from tvm_fusion.ir import tir_stmts
+from tvm_fusion.legalize.depthwise_conv import STAGE, padded_width
+from tvm_fusion.pipeline import pipeline_passes, run_passes, unscheduled_module
+from tvm_fusion.schedules import Depthwise
+from tvm_fusion.schedules._util import access_class
+from tvm_fusion.targets import llvm_target
+
+ZNVER3 = llvm_target("znver3")  # AVX2 (8 lanes): the CI machine's vector width
+SKYLAKE = llvm_target("skylake-avx512")  # 16 lanes: widths are padded differently
+HOST_HAS_AVX512 = "avx512f" in open("/proc/cpuinfo").read()  # else the 16-lane builds are only compiled
+
+
+def _dw_model(channels, size, stride, kernel=3, epilogue="clip", seed=0):
+    """x -> depthwise Conv (bias, same padding) -> epilogue: "none", "clip" (relu6), "residual"
+    (add a second input) or "silu"."""
+    g = models.GraphBuilder("dw", seed)
+    x = g.input("x", (1, channels, size, size))
+    w = g.weight("dw_w", (channels, 1, kernel, kernel))
+    b = g.const("dw_b", g.rng.standard_normal(channels).astype(np.float32) * 0.1)
+    pad = kernel // 2
+    y = g.op(
+        "Conv", [x, w, b], kernel_shape=[kernel, kernel], pads=[pad] * 4, strides=[stride] * 2, group=channels
+    )
+    out = (size + 2 * pad - kernel) // stride + 1
+    if epilogue == "clip":
+        y = g.relu6(y)
+    elif epilogue == "residual":
+        y = g.add(y, g.input("r", (1, channels, out, out)))
+    elif epilogue == "silu":
+        y = g.op("Mul", [y, g.op("Sigmoid", [y])])
+    return g.finish([y])
+
+
+def _feeds(model, seed=1):
+    rng = np.random.default_rng(seed)
+    return {
+        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+        for i in model.graph.input
+    }
+
+
+def _lowered(model, target=ZNVER3):
+    return run_passes(import_onnx(model).mod, pipeline_passes(target), target)
+
+
+def _prim_funcs(mod):
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+def _stages(func) -> set:
+    return {
+        str(s.annotations[STAGE])
+        for s in tir_stmts(func.body)
+        if isinstance(s, tvm.s_tir.SBlock) and STAGE in s.annotations
+    }
+
+
+CASES = [
+    # channels, size, stride, kernel, epilogue
+    (8, 16, 1, 3, "clip"),
+    (12, 13, 1, 3, "residual"),  # odd width: padded to whole vectors, cropped
+    (16, 15, 2, 3, "clip"),  # stride 2, odd input
+    (24, 28, 2, 3, "none"),  # stride 2, the conv writes the output itself
+    (6, 11, 1, 5, "silu"),  # 5x5 (EfficientNet / MNASNet)
+    (10, 20, 2, 5, "residual"),
+    (4, 9, 2, 3, "clip"),  # output 5 wide: stride 2 takes the form below MIN_WIDTH
+]
+GROUPED = [
+    # channels in, channels out, groups, size, stride
+    (48, 48, 6, 28, 2),  # RegNet: 8 channels per group
+    (16, 32, 4, 13, 1),  # ResNeXt-like: 4 in, 8 out per group
+    (8, 16, 8, 10, 1),  # depthwise with a channel multiplier of 2
+]
+
+
+@pytest.mark.parametrize("target", [ZNVER3, SKYLAKE], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("channels,size,stride,kernel,epilogue", CASES)
+def test_depthwise_matches_onnxruntime(target, channels, size, stride, kernel, epilogue):
+    model = _dw_model(channels, size, stride, kernel, epilogue)
+    feeds = _feeds(model)
+    result = tvm_fusion.build(model, target, tuning_logs=None)
+    funcs = _prim_funcs(result.lowered)
+    assert any(_stages(f) for f in funcs.values()), list(funcs)  # it took the depthwise form
+    if target is ZNVER3 or HOST_HAS_AVX512:
+        got = run_executable(result.executable, feeds)
+        ref = ort_run(model, feeds)
+        assert float(np.abs(got - ref).max() / np.abs(ref).max()) <= 1e-5
+
+
+@pytest.mark.parametrize("cin,cout,groups,size,stride", GROUPED)
+def test_grouped_convs_with_narrow_groups_match_onnxruntime(cin, cout, groups, size, stride):
+    g = models.GraphBuilder("grouped", 0)
+    x = g.input("x", (1, cin, size, size))
+    w = g.weight("w", (cout, cin // groups, 3, 3))
+    b = g.const("b", g.rng.standard_normal(cout).astype(np.float32) * 0.1)
+    y = g.op("Conv", [x, w, b], kernel_shape=[3, 3], pads=[1] * 4, strides=[stride] * 2, group=groups)
+    model = g.finish([g.relu(y)])
+    result = tvm_fusion.build(model, ZNVER3, tuning_logs=None)
+    assert any(_stages(f) for f in _prim_funcs(result.lowered).values())
+    feeds = _feeds(model)
+    got, ref = run_executable(result.executable, feeds), ort_run(model, feeds)
+    assert float(np.abs(got - ref).max() / np.abs(ref).max()) <= 1e-5
+
+
+def test_depthwise_is_one_kernel_padding_per_task_without_gathers():
+    model = _dw_model(32, 56, 2, 3, "clip")
+    funcs = _prim_funcs(_lowered(model))
+    assert len(funcs) == 1, list(funcs)  # conv + bias + clip: one kernel
+    ((_, func),) = funcs.items()
+    assert {"phase", "conv"} <= _stages(func)
+    stmts = list(tir_stmts(func.body))
+    # one parallel loop (tasks: a channel's block of output rows) ...
+    loops = [s for s in stmts if isinstance(s, tirx.For)]
+    parallel = [lp for lp in loops if lp.kind == tirx.ForKind.PARALLEL]
+    assert len(parallel) == 1
+
+    # ... inside which the padded input is computed (only the rows a task reads: it stays in L1)
+    def pads(node):
+        return [s for s in tir_stmts(node) if isinstance(s, tvm.s_tir.SBlock) and "pad" in s.name_hint]
+
+    assert pads(parallel[0].body) and len(pads(parallel[0].body)) == len(pads(func.body))
+    # the conv's inner loop is a vector over output columns reading whole vectors: every load of
+    # the padded input along the vectorized loop has stride 1 (the polyphase layout)
+    (conv,) = [s for s in stmts if isinstance(s, tvm.s_tir.SBlock) and s.name_hint == "depthwise_conv_update"]
+    column = conv.iter_vars[3].var  # (b, c, y, x | kh, kw)
+    reads = [r for r in conv.reads if r.source.name.startswith("depthwise_phase")]
+    assert reads and all(access_class(r, column) == "contiguous" for r in reads)
+    assert any(lp.kind == tirx.ForKind.VECTORIZED for lp in loops)
+
+
+def test_which_convs_take_the_depthwise_form():
+    assert padded_width(56, 8) == 56 and padded_width(56, 16) == 56
+    assert padded_width(28, 16) == 32 and padded_width(14, 8) == 16 and padded_width(112, 16) == 112
+    # narrow stride-1 planes (7x7) keep TVM's conv; grouped convs with wide groups too
+    narrow = _dw_model(64, 7, 1)
+    assert not any(_stages(f) for f in _prim_funcs(_lowered(narrow)).values())
+    g = models.GraphBuilder("grouped", 0)
+    x = g.input("x", (1, 64, 14, 14))
+    y = g.op("Conv", [x, g.weight("w", (64, 32, 3, 3))], kernel_shape=[3, 3], pads=[1] * 4, group=2)
+    grouped = g.finish([y])
+    assert not any(_stages(f) for f in _prim_funcs(_lowered(grouped)).values())
+    # a plain LegalizeOps elsewhere in the process (stock TVM's flow) keeps TVM's conv
+    with ZNVER3:
+        stock = relax.transform.LegalizeOps()(import_onnx(_dw_model(32, 28, 2)).mod)
+    assert not any(_stages(f) for f in _prim_funcs(stock).values())
+
+
+def test_rule_space_of_a_depthwise_kernel_contains_the_default():
+    from tvm_fusion.tuning import extract_tasks, rule_space
+
+    mod = unscheduled_module(import_onnx(_dw_model(32, 28, 1)).mod, ZNVER3)
+    (task,) = extract_tasks(mod, ZNVER3)
+    func = task.dispatched[0]["main"]
+    space = rule_space(func, ZNVER3)
+    assert space is not None and space.rule_type is Depthwise and set(space.names) == {"rows", "lanes"}
+    default = Depthwise().apply(func, ZNVER3, False)
+    at_default, effective = space.schedule(func, ZNVER3, (0,) * len(space.names))
+    assert effective == (0,) * len(space.names)
+    tvm.ir.assert_structural_equal(at_default.mod, default.mod)
+    # another point is another schedule, and it computes the same numbers
+    other, _ = space.schedule(func, ZNVER3, (1,) * len(space.names))
+    assert other.mod.script() != default.mod.script()
+    rng = np.random.default_rng(0)
+    args = [
+        rng.standard_normal([int(d) for d in p.shape]).astype(np.float32)
+        if i < len(func.params) - 1
+        else np.zeros([int(d) for d in p.shape], np.float32)
+        for i, p in enumerate(func.params)
+    ]
+    outputs = []
+    for sch in (default, other):
+        kernel = tvm.compile(sch.mod, target=ZNVER3)
+        tensors = [tvm.runtime.tensor(a) for a in args]
+        kernel["main"](*tensors)
+        outputs.append(tensors[-1].numpy())
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+    assert np.abs(outputs[0]).max() > 0

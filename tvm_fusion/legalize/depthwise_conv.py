@@ -1,0 +1,163 @@
+"""Depthwise and narrow grouped NCHW conv2d on LLVM CPUs, in a form whose inner loop is a plain
+vector FMA.
+
+Why: TVM's depthwise conv reads ``pad[c, y·s + kh, x·s + kw]``. Vectorized along the output
+width ``x`` that is a gather whenever the stride ``s`` is 2 (one load per lane), and the widths
+of MobileNet-style planes (7, 14, 28, 56) are not whole AVX-512 vectors. Measured on
+mobilenet_v2: its 112×112 stride-2 depthwise kernel ran at 8 GFLOP/s and the depthwise kernels
+took 2.2 of the model's 4.9 ms; RegNet's grouped convs (8 channels per group) the same.
+
+The conv becomes up to four TE stages, each block annotated ``tvm_fusion.depthwise = <stage>``
+(the ``Depthwise`` schedule rule recognises them by that, ``schedules/depthwise.py``):
+
+* ``pad``: the zero-padded input ``d_pad`` (a plain copy with a border, which the schedule splits
+  into a zero fill and an in-bounds copy without conditions);
+* ``phase`` (stride > 1 only): ``P[b, c, y, r, q] = d_pad[b, c, y, q·s + r]``, so that the input
+  column ``x·s + kw`` of every output column ``x`` is the contiguous vector
+  ``P[.., kw mod s, x + kw / s]`` (the polyphase layout Winograd's pad uses);
+* ``conv``: ``acc[b, k, y, x] = Σ_{ic, kh, kw} P[b, g(k)·cig + ic, y·s + kh, kw mod s, x + kw / s]
+  · w[k, ic, kh, kw]`` (``cig`` input channels per group, 1 for depthwise) over an output width
+  padded up to whole vectors (:func:`padded_width`);
+* ``crop``: the real output width, when it was padded; FuseTIR appends the fused epilogue (bias,
+  clip, residual add) after the last stage.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, te, tirx
+
+from .nchwc_conv import out_dtype
+
+STAGE = "tvm_fusion.depthwise"  # block annotation: pad / phase / conv / crop
+GROUP_OUT = "tvm_fusion.group_channels"  # on the conv block: output channels per group
+# Stride-1 outputs narrower than this keep TVM's conv (Contraction vectorizes those over the
+# plane): on 7×7 planes the per-row padding costs more than it saves (0.021 vs 0.014 ms, 960 ch)
+MIN_WIDTH = 8
+# Grouped convs with at most this many input channels per group take the same form (RegNet's
+# group width is 8, ResNeXt's 4); wider groups are GEMM-like enough for the Contraction rule.
+MAX_GROUP_CHANNELS = 16
+
+
+def padded_width(width: int, lanes: int) -> int:
+    """The output width the conv computes: ``width`` when it is a whole number of vectors of
+    ``lanes`` or of 8 lanes (a 256-bit vector), else rounded up to a multiple of 8 (or ``lanes``
+    when the SIMD width is smaller); the extra columns read zeros and are cropped."""
+    step = min(lanes, 8)
+    if width % lanes == 0 or width % step == 0:
+        return width
+    return -(-width // step) * step
+
+
+def depthwise_conv2d_nchw(data, weight, strides, padding, width: int, dtype: str):
+    """TE of the depthwise / grouped conv (see the module docstring); returns the NCHW output."""
+    n_, c_, h_, w_ = (int(x) for x in data.shape)
+    k_, cig, kh_, kw_ = (int(x) for x in weight.shape)
+    cog = k_ // (c_ // cig)  # output channels per group
+    sh, sw = (int(s) for s in strides)
+    pt, pl, pb, pr = (int(p) for p in padding)
+    oh_ = (h_ + pt + pb - kh_) // sh + 1
+    ow_ = (w_ + pl + pr - kw_) // sw + 1
+    rows, cols = (oh_ - 1) * sh + kh_, width + (kw_ - 1) // sw
+
+    def padded(b, c, y, x):
+        yy, xx = y - pt, x - pl
+        inside = tirx.all(yy >= 0, yy < h_, xx >= 0, xx < w_)
+        return tirx.if_then_else(inside, data[b, c, yy, xx], tirx.const(0.0, data.dtype))
+
+    pad = te.compute((n_, c_, rows, cols * sw), padded, name="depthwise_pad", attrs={STAGE: "pad"})
+    if sw == 1:
+
+        def window(b, c, y, kw, x):
+            return pad[b, c, y, x + kw]
+
+    else:
+        # polyphase: P[b, c, y, r, q] = pad[b, c, y, q·s + r]
+        phase = te.compute(
+            (n_, c_, rows, sw, cols),
+            lambda b, c, y, r, q: pad[b, c, y, q * sw + r],
+            name="depthwise_phase",
+            attrs={STAGE: "phase"},
+        )
+
+        def window(b, c, y, kw, x):
+            return phase[b, c, y, kw % sw, x + kw // sw]
+
+    ic = te.reduce_axis((0, cig), name="ic")
+    kh = te.reduce_axis((0, kh_), name="kh")
+    kw = te.reduce_axis((0, kw_), name="kw")
+    acc = te.compute(
+        (n_, k_, oh_, width),
+        lambda b, k, y, x: te.sum(
+            window(b, k // cog * cig + ic, y * sh + kh, kw, x).astype(dtype)
+            * weight[k, ic, kh, kw].astype(dtype),
+            axis=[ic, kh, kw],
+        ),
+        name="depthwise_conv",
+        attrs={STAGE: "conv", GROUP_OUT: cog},
+    )
+    if width == ow_:
+        return acc
+    return te.compute(
+        (n_, k_, oh_, ow_), lambda b, k, y, x: acc[b, k, y, x], name="depthwise_crop", attrs={STAGE: "crop"}
+    )
+
+
+def eligible_conv(call: relax.Call) -> dict | None:
+    """The conv's facts if it is a depthwise conv this lowering covers (NCHW / OIHW, one filter
+    per channel, dilation 1, static float32 shapes, stride 2 or an output width ≥ ``MIN_WIDTH``,
+    LLVM target in scope), else None."""
+    attrs = call.attrs
+    target = tvm.target.Target.current(allow_none=True)
+    if target is None or target.kind.name != "llvm":
+        return None
+    if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) != ("NCHW", "OIHW", "NCHW"):
+        return None
+    if any(int(d) != 1 for d in attrs.dilation):
+        return None
+    dty, wty = call.args[0].ty, call.args[1].ty
+    if not all(isinstance(t, relax.TensorType) and t.shape is not None for t in (dty, wty)):
+        return None
+    try:
+        dshape = [int(x) for x in dty.shape]
+        wshape = [int(x) for x in wty.shape]
+    except (TypeError, ValueError):
+        return None
+    if len(dshape) != 4 or len(wshape) != 4:
+        return None
+    groups = int(attrs.groups)
+    if groups < 2 or wshape[1] > MAX_GROUP_CHANNELS or wshape[0] % groups or dshape[1] != groups * wshape[1]:
+        return None
+    dtype = out_dtype(attrs) or "float32"
+    if str(dty.dtype) != "float32" or str(wty.dtype) != "float32" or dtype != "float32":
+        return None
+    strides = [int(s) for s in attrs.strides]
+    padding = [int(p) for p in attrs.padding]
+    ow = (dshape[3] + padding[1] + padding[3] - wshape[3]) // strides[1] + 1
+    oh = (dshape[2] + padding[0] + padding[2] - wshape[2]) // strides[0] + 1
+    if (ow < MIN_WIDTH and strides[1] == 1) or ow < 2 or oh < 1:
+        return None
+    from ..schedules._util import vector_lanes  # pylint: disable=import-outside-toplevel
+
+    return {
+        "strides": strides,
+        "padding": padding,
+        "width": padded_width(ow, vector_lanes(target, "float32")),
+    }
+
+
+def legalize_depthwise_conv2d(bb: relax.BlockBuilder, call: relax.Call):
+    """Legalize an eligible depthwise conv (see :func:`eligible_conv`); None otherwise."""
+    conv = eligible_conv(call)
+    if conv is None:
+        return None
+    return bb.call_te(
+        depthwise_conv2d_nchw,
+        call.args[0],
+        call.args[1],
+        conv["strides"],
+        conv["padding"],
+        conv["width"],
+        "float32",
+        primfunc_name_hint="depthwise_conv2d",
+    )

@@ -1,0 +1,141 @@
+"""CPU schedule for the depthwise / narrow grouped conv kernels ``legalize/depthwise_conv.py``
+writes (+ epilogue).
+
+The stages are found by their ``tvm_fusion.depthwise`` block annotations (FuseTIR keeps them).
+One parallel task is one group (one channel, for a depthwise conv) and a block of ``rows`` output
+rows:
+
+* ``pad`` (zero padding; with stride 2, the ``phase`` split after it) is computed inside the task,
+  only for the input rows the task reads: they stay in L1 (a whole padded copy of a 112×112×96
+  input is 5 MB of memory traffic);
+* ``conv``: per output channel of the group and vector of output columns, the ``kh × kw`` window
+  unrolled around ``rows`` vector accumulators in registers; every step is one contiguous
+  (misaligned) vector load and one FMA with a broadcast weight (a depthwise channel's 9 weights
+  are loop-invariant: LLVM keeps them in registers for the whole task);
+* the epilogue (crop, bias, clip, residual add) is computed from the accumulators right after
+  each vector of columns, so the conv's result never goes to memory before it.
+
+Tunable decisions (:mod:`.knobs`): ``rows`` (output rows per task: the model's pick, then the
+other divisors of the height up to ``MAX_ROWS``) and ``lanes`` (a whole SIMD vector or half one
+per accumulator).
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.target import Target
+
+from ..legalize.depthwise_conv import GROUP_OUT, STAGE
+from ._util import (
+    CpuRule,
+    divisors_upto,
+    int_extent,
+    safe_rule,
+    stage_blocks,
+    try_primitive,
+    vector_lanes,
+)
+from .knobs import Knobs
+
+MAX_ROWS = 8  # accumulators per vector of columns (one vector register each)
+
+
+def row_choices(height: int) -> list[int]:
+    """Rows per task, the default first: the most (≤ ``MAX_ROWS``) that divide the height."""
+    rows = divisors_upto(height, MAX_ROWS)[::-1]
+    return rows[:4]
+
+
+def lane_choices(width: int, lanes: int) -> list[int]:
+    """Vector widths that divide the (padded) output width, the widest first."""
+    return [v for v in (lanes, lanes // 2) if v >= 4 and width % v == 0] or [width]
+
+
+class Depthwise(CpuRule):
+    """The depthwise conv schedule (see module docstring); declines anything else."""
+
+    def __init__(self, knobs: dict[str, int] | None = None, **_):
+        self.knobs = dict(knobs or {})
+        self.last_knobs: Knobs | None = None
+
+    @safe_rule
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        stages = stage_blocks(sch, STAGE)
+        if set(stages) - {"crop", "phase"} != {"pad", "conv"}:
+            return None
+        conv, pad = stages["conv"], stages["pad"]
+        chain = _epilogue_chain(sch, conv)
+        staged = 3 if "phase" in stages else 2
+        if chain is None or len(sch.get_child_blocks(sch.get_sblock("root"))) != staged + len(chain):
+            return None
+        loops = sch.get_loops(conv)
+        extents = [int_extent(sch, lp) for lp in loops]
+        if len(loops) != 7 or None in extents:
+            return None
+        group_out = int(sch.get(conv).annotations.get(GROUP_OUT, 1))
+        knobs = self.last_knobs = Knobs(self.knobs, tunable)
+        rows_options = row_choices(extents[2])
+        rows = rows_options[knobs.choose(sch, "rows", len(rows_options))]
+        lane_options = lane_choices(extents[3], vector_lanes(target, "float32"))
+        vt = lane_options[knobs.choose(sch, "lanes", len(lane_options))]
+
+        # accumulators in registers; the epilogue reads them (write-back + crop inlined into it)
+        chain.insert(0, sch.cache_write(conv, 0, "local"))
+        for blk in chain[:-1]:
+            sch.compute_inline(blk)
+        final = chain[-1]
+
+        b_l, k_l, y_l, x_l, ic_l, kh_l, kw_l = sch.get_loops(conv)
+        g_l, k_i = sch.split(k_l, factors=[None, group_out])  # a task: one group's channels
+        y_o, y_i = sch.split(y_l, factors=[None, rows])
+        x_o, x_i = sch.split(x_l, factors=[None, vt])
+        sch.reorder(b_l, g_l, y_o, k_i, x_o, ic_l, kh_l, kw_l, y_i, x_i)
+        task = sch.fuse(b_l, g_l, y_o)
+        sch.parallel(task)
+        for loop in (kh_l, kw_l, y_i):
+            sch.unroll(loop)
+        sch.vectorize(x_i)
+        init = sch.decompose_reduction(conv, ic_l)
+        try_primitive(sch.vectorize, sch.get_loops(init)[-1])
+
+        # the epilogue right after each vector of columns (accumulators still in registers); when
+        # the width was padded, once per task over whole rows instead: a cropped last vector
+        # would need a predicate, which keeps TVM from vectorizing
+        sch.reverse_compute_at(final, k_i if "crop" in stages else x_o, preserve_unit_loops=True)
+        f_y, f_x = sch.get_loops(final)[-2:]
+        sch.unroll(f_y)
+        try_primitive(sch.vectorize, f_x)
+
+        if "phase" in stages:
+            sch.compute_at(stages["phase"], task, preserve_unit_loops=True)
+            # stride-2 reads: left to LLVM's loop vectorizer (wide loads + shuffles; TVM's
+            # vectorizer would load lane by lane)
+        sch.compute_at(pad, task, preserve_unit_loops=True)
+        _schedule_pad(sch, pad)
+        return sch
+
+
+def _epilogue_chain(sch, conv) -> list | None:
+    """The blocks after the conv, one consumer each (crop, bias, clip, ...), or None when the
+    conv's result fans out or feeds a reduction (another rule's kernel)."""
+    chain, blk = [], conv
+    while consumers := sch.get_consumers(blk):
+        if len(consumers) != 1:
+            return None
+        blk = consumers[0]
+        if any(iv.iter_type != tirx.IterVar.DataPar for iv in sch.get(blk).iter_vars):
+            return None
+        chain.append(blk)
+    return chain
+
+
+def _schedule_pad(sch, pad) -> None:
+    """The task's padded input rows: zero fill and in-bounds copy as separate loop nests
+    (``decompose_padding``), so that the copy has no per-element condition; both vectorized
+    along the row."""
+    if try_primitive(sch.decompose_padding, pad, sch.get_loops(pad)[1]):
+        try_primitive(sch.vectorize, sch.get_loops(sch.get_producers(pad)[0])[-1])
+    try_primitive(sch.vectorize, sch.get_loops(pad)[-1])
