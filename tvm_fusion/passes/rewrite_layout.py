@@ -753,7 +753,7 @@ class _Skip(Exception):
 
 def _ints(expr) -> list[int]:
     fields = expr.fields if isinstance(expr, relax.Tuple) else expr.values
-    return [int(v.value) if isinstance(v, relax.PrimValue) else int(v) for v in fields]
+    return [int(getattr(v, "value", v)) for v in fields]  # IntImm, or a PrimValue holding one
 
 
 def _read_index(sch, block_rv, func, param_index) -> int:
