@@ -37,6 +37,10 @@ MIN_WIDTH = 8
 # Grouped convs with at most this many input channels per group take the same form (RegNet's
 # group width is 8, ResNeXt's 4); wider groups are GEMM-like enough for the Contraction rule.
 MAX_GROUP_CHANNELS = 16
+# Ungrouped convs with this few input channels (an RGB stem) too: with lanes on output channels
+# their short reduction (27 steps for 3x3x3) pays a scatter of single lanes per tile write-back
+# (squeezenet's 3x3/2 stem: 1.2 ms, 35 GFLOP/s).
+MAX_STEM_CHANNELS = 4
 
 
 def padded_width(width: int, lanes: int) -> int:
@@ -126,7 +130,9 @@ def eligible_conv(call: relax.Call) -> dict | None:
     if len(dshape) != 4 or len(wshape) != 4:
         return None
     groups = int(attrs.groups)
-    if groups < 2 or wshape[1] > MAX_GROUP_CHANNELS or wshape[0] % groups or dshape[1] != groups * wshape[1]:
+    if wshape[1] > MAX_GROUP_CHANNELS or wshape[0] % groups or dshape[1] != groups * wshape[1]:
+        return None
+    if groups == 1 and (wshape[1] > MAX_STEM_CHANNELS or wshape[2] * wshape[3] == 1):
         return None
     dtype = out_dtype(attrs) or "float32"
     if str(dty.dtype) != "float32" or str(wty.dtype) != "float32" or dtype != "float32":
