@@ -10,8 +10,8 @@ took 2.2 of the model's 4.9 ms; RegNet's grouped convs (8 channels per group) th
 The conv becomes up to four TE stages, each block annotated ``tvm_fusion.depthwise = <stage>``
 (the ``Depthwise`` schedule rule recognises them by that, ``schedules/depthwise.py``):
 
-* ``pad``: the zero-padded input ``d_pad`` (a plain copy with a border, which the schedule splits
-  into a zero fill and an in-bounds copy without conditions);
+* ``pad``: the zero-padded input ``d_pad`` (computed per task by the schedule, a few rows at a
+  time);
 * ``phase`` (stride > 1 only): ``P[b, c, y, r, q] = d_pad[b, c, y, q·s + r]``, so that the input
   column ``x·s + kw`` of every output column ``x`` is the contiguous vector
   ``P[.., kw mod s, x + kw / s]`` (the polyphase layout Winograd's pad uses);
