@@ -85,7 +85,6 @@ GROUPED = [
     (48, 48, 6, 28, 2),  # RegNet: 8 channels per group
     (16, 32, 4, 13, 1),  # ResNeXt-like: 4 in, 8 out per group
     (8, 16, 8, 10, 1),  # depthwise with a channel multiplier of 2
-    (3, 24, 1, 23, 2),  # an RGB stem: one group of 3 input channels
 ]
 
 
@@ -155,13 +154,15 @@ def test_which_convs_take_the_depthwise_form():
     y = g.op("Conv", [x, g.weight("w", (64, 32, 3, 3))], kernel_shape=[3, 3], pads=[1] * 4, group=2)
     grouped = g.finish([y])
     assert not any(_stages(f) for f in _prim_funcs(_lowered(grouped)).values())
-    # ungrouped convs only as RGB stems (few input channels, a real window)
-    for cin, k in ((16, 3), (3, 1)):
-        g = models.GraphBuilder("ungrouped", 0)
-        y = g.op(
-            "Conv", [g.input("x", (1, cin, 14, 14)), g.weight("w", (32, cin, k, k))], kernel_shape=[k, k]
-        )
-        assert not any(_stages(f) for f in _prim_funcs(_lowered(g.finish([y]))).values()), (cin, k)
+    # ungrouped convs never, not even an RGB stem (measured in the models: no faster)
+    g = models.GraphBuilder("stem", 0)
+    y = g.op(
+        "Conv",
+        [g.input("x", (1, 3, 32, 32)), g.weight("w", (16, 3, 3, 3))],
+        kernel_shape=[3, 3],
+        strides=[2, 2],
+    )
+    assert not any(_stages(f) for f in _prim_funcs(_lowered(g.finish([y]))).values())
     # a plain LegalizeOps elsewhere in the process (stock TVM's flow) keeps TVM's conv
     with ZNVER3:
         stock = relax.transform.LegalizeOps()(import_onnx(_dw_model(32, 28, 2)).mod)

@@ -37,10 +37,6 @@ MIN_WIDTH = 8
 # Grouped convs with at most this many input channels per group take the same form (RegNet's
 # group width is 8, ResNeXt's 4); wider groups are GEMM-like enough for the Contraction rule.
 MAX_GROUP_CHANNELS = 16
-# Ungrouped convs with this few input channels (an RGB stem, stride 1 or 2) too: with lanes on
-# output channels their short reduction (27 steps for 3x3x3) pays a scatter of single lanes per
-# tile write-back. Patchifying stems (ViT's 16x16/16, ConvNeXt's 4x4/4) are GEMMs: not these.
-MAX_STEM_CHANNELS = 4
 
 
 def padded_width(width: int, lanes: int) -> int:
@@ -131,10 +127,7 @@ def eligible_conv(call: relax.Call) -> dict | None:
         return None
     groups = int(attrs.groups)
     strides = [int(s) for s in attrs.strides]
-    if wshape[1] > MAX_GROUP_CHANNELS or wshape[0] % groups or dshape[1] != groups * wshape[1]:
-        return None
-    stem = wshape[1] <= MAX_STEM_CHANNELS and wshape[2] * wshape[3] > 1 and max(strides) <= 2
-    if groups == 1 and not stem:
+    if groups < 2 or wshape[1] > MAX_GROUP_CHANNELS or wshape[0] % groups or dshape[1] != groups * wshape[1]:
         return None
     dtype = out_dtype(attrs) or "float32"
     if str(dty.dtype) != "float32" or str(wty.dtype) != "float32" or dtype != "float32":
