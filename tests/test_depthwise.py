@@ -73,7 +73,7 @@ def _stages(func) -> set:
 CASES = [
     # channels, size, stride, kernel, epilogue
     (8, 16, 1, 3, "clip"),
-    (12, 13, 1, 3, "residual"),  # odd width: padded to whole vectors, cropped
+    (12, 21, 1, 3, "residual"),  # odd width: padded to whole vectors, cropped
     (16, 15, 2, 3, "clip"),  # stride 2, odd input
     (24, 28, 2, 3, "none"),  # stride 2, the conv writes the output itself
     (6, 11, 1, 5, "silu"),  # 5x5 (EfficientNet / MNASNet)
@@ -84,7 +84,7 @@ GROUPED = [
     # channels in, channels out, groups, size, stride
     (48, 48, 6, 28, 2),  # RegNet: 8 channels per group
     (16, 32, 4, 13, 1),  # ResNeXt-like: 4 in, 8 out per group
-    (8, 16, 8, 10, 1),  # depthwise with a channel multiplier of 2
+    (8, 16, 8, 18, 1),  # depthwise with a channel multiplier of 2
 ]
 
 
@@ -146,9 +146,11 @@ def test_depthwise_is_one_kernel_padding_per_task_without_gathers():
 def test_which_convs_take_the_depthwise_form():
     assert padded_width(56, 8) == 56 and padded_width(56, 16) == 56
     assert padded_width(28, 16) == 32 and padded_width(14, 8) == 16 and padded_width(112, 16) == 112
-    # narrow stride-1 planes (7x7) keep TVM's conv; grouped convs with wide groups too
-    narrow = _dw_model(64, 7, 1)
-    assert not any(_stages(f) for f in _prim_funcs(_lowered(narrow)).values())
+    # narrow stride-1 planes (7x7; 14x14 with a 3x3 window) keep TVM's conv, 5x5 windows at 14x14
+    # take the form; grouped convs with wide groups keep TVM's conv
+    for size, kernel, ours in ((7, 3, False), (14, 3, False), (14, 5, True), (7, 5, False)):
+        stages = [_stages(f) for f in _prim_funcs(_lowered(_dw_model(64, size, 1, kernel))).values()]
+        assert any(stages) == ours, (size, kernel)
     g = models.GraphBuilder("grouped", 0)
     x = g.input("x", (1, 64, 14, 14))
     y = g.op("Conv", [x, g.weight("w", (64, 32, 3, 3))], kernel_shape=[3, 3], pads=[1] * 4, group=2)

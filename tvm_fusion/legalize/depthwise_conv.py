@@ -34,6 +34,10 @@ GROUP_OUT = "tvm_fusion.group_channels"  # on the conv block: output channels pe
 # Stride-1 outputs narrower than this keep TVM's conv (Contraction vectorizes those over the
 # plane): on 7×7 planes the per-row padding costs more than it saves (0.021 vs 0.014 ms, 960 ch)
 MIN_WIDTH = 8
+# ... and depthwise 3×3 stride-1 outputs narrower than this: too few taps to pay for a task's
+# padded rows (mobilenet_v2's 384×14×14 in the model: 0.079 ms TVM's conv, 0.107 ours; its 5×5
+# windows still win: efficientnet_b0's 672×14×14 0.227 -> 0.179 ms)
+MIN_WIDTH_3X3 = 16
 # Grouped convs with at most this many input channels per group take the same form (RegNet's
 # group width is 8, ResNeXt's 4); wider groups are GEMM-like enough for the Contraction rule.
 MAX_GROUP_CHANNELS = 16
@@ -105,8 +109,8 @@ def depthwise_conv2d_nchw(data, weight, strides, padding, width: int, dtype: str
 
 def eligible_conv(call: relax.Call) -> dict | None:
     """The conv's facts if it is a depthwise conv this lowering covers (NCHW / OIHW, one filter
-    per channel, dilation 1, static float32 shapes, stride 2 or an output width ≥ ``MIN_WIDTH``,
-    LLVM target in scope), else None."""
+    per channel or narrow groups, dilation 1, static float32 shapes, stride 2 or an output width
+    ≥ ``MIN_WIDTH`` (``MIN_WIDTH_3X3`` for depthwise 3×3), LLVM target in scope), else None."""
     attrs = call.attrs
     target = tvm.target.Target.current(allow_none=True)
     if target is None or target.kind.name != "llvm":
@@ -135,7 +139,10 @@ def eligible_conv(call: relax.Call) -> dict | None:
     padding = [int(p) for p in attrs.padding]
     ow = (dshape[3] + padding[1] + padding[3] - wshape[3]) // strides[1] + 1
     oh = (dshape[2] + padding[0] + padding[2] - wshape[2]) // strides[0] + 1
-    if (ow < MIN_WIDTH and strides[1] == 1) or ow < 2 or oh < 1:
+    small_window = wshape[1] == 1 and wshape[2] * wshape[3] <= 9
+    if strides[1] == 1 and (ow < MIN_WIDTH or (small_window and ow < MIN_WIDTH_3X3)):
+        return None
+    if ow < 2 or oh < 1:
         return None
     from ..schedules._util import vector_lanes  # pylint: disable=import-outside-toplevel
 
