@@ -206,15 +206,21 @@ def test_rule_space_of_a_depthwise_kernel_contains_the_default():
 def test_tuning_searches_the_depthwise_space_and_the_build_replays_it(tmp_path):
     """The rule's decisions are searched like Contraction's: every candidate's trace prints and
     replays (TVM 0.27's decompose_padding cannot print its trace, which aborted the search; the
-    rule does not use it), and the build with the records matches ORT."""
+    rule does not use it), and the build with the records matches ORT. The space is small: a
+    time budget ends early once it is measured whole, and the summary says so."""
     from tvm_fusion import tuning
 
     tuning.check_environment()
     model = _dw_model(32, 28, 2, 3, "clip")
-    res = tuning.tune_model(
-        model, ZNVER3, trials=4, log_root=tmp_path, name="dw", num_trials_per_iter=2, progress=False
-    )
-    assert len(res.tasks) == 1 and res.tasks[0].trials >= 2 and res.tasks[0].best_us
+    kw = dict(log_root=tmp_path, name="dw", num_trials_per_iter=2, progress=False, check_default=False)
+    res = tuning.tune_model(model, ZNVER3, trials=1_000_000, time_budget_s=600, **kw)  # --minutes 10
+    (task,) = res.tasks
+    (fused,) = tuning.extract_tasks(unscheduled_module(import_onnx(model).mod, ZNVER3), ZNVER3)
+    space = tuning.rule_space(fused.dispatched[0]["main"], ZNVER3)
+    assert task.space_exhausted and 2 <= task.trials <= space.size
+    assert res.ended_early and "every task's search space is measured" in str(res)
+    again = tuning.tune_model(model, ZNVER3, trials=1_000_000, time_budget_s=600, **kw)
+    assert again.new_trials == 0 and "its whole space measured before" in str(again)
     built = tvm_fusion.build(model, ZNVER3, name="dw", tuning_logs=tmp_path)
     assert built.records_status == "ok"
     feeds = _feeds(model)

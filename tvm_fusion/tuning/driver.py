@@ -70,7 +70,10 @@ class TuneResult:
         lines = []
         for t in self.tasks:
             best = f"{t.best_us:.2f} us" if t.best_us is not None else "n/a"
-            state = "skipped (at budget)" if t.skipped else f"+{t.new_trials}"
+            if t.skipped:
+                state = "its whole space measured before" if t.space_exhausted else "at budget before"
+            else:
+                state = f"+{t.new_trials}" + (", its whole space measured" if t.space_exhausted else "")
             count = f"{t.trials}" if self.time_budget_s is not None else f"{t.trials}/{t.budget}"
             line = f"  {t.name}: {count} trials ({state}), best {best}"
             if t.default_us is not None:
@@ -83,7 +86,22 @@ class TuneResult:
             f"{self.new_trials} new trials ({self.total_trials} in all) in {self.elapsed_s:.1f} s; "
             f"{used}/{len(self.tasks)} functions will use tuned schedules; records in {self.record_dir}"
         )
+        if self.ended_early:
+            lines.append(
+                f"every task's search space is measured: the run ended {self.elapsed_s / 60:.1f} min into "
+                f"its {self.time_budget_s / 60:g}-minute budget (more time would measure nothing new)"
+            )
         return "\n".join(lines)
+
+    @property
+    def ended_early(self) -> bool:
+        """A time budget left mostly unused because every task's space was measured."""
+        return (
+            self.time_budget_s is not None
+            and self.elapsed_s < 0.8 * self.time_budget_s
+            and bool(self.tasks)
+            and all(t.space_exhausted for t in self.tasks)
+        )
 
 
 def open_for_tuning(
@@ -123,7 +141,9 @@ def plan_tasks(rset: RecordSet, tasks: list, budgets: list[int]) -> list[TaskSum
         # A task tuned to its budget earlier may have measured fewer (its search space ran out).
         at_budget = trials >= budget or int(entry.get("budget", 0)) >= budget
         best_us = best[key] * 1e6 if key in best else None
-        summaries.append(TaskSummary(task.task_name, key, budget, trials, trials, best_us, at_budget))
+        summary = TaskSummary(task.task_name, key, budget, trials, trials, best_us, at_budget)
+        summary.space_exhausted = at_budget and trials < budget
+        summaries.append(summary)
         rset.manifest["tasks"][key] = {
             **entry,  # keeps default_us / tuned_us / verified_trials of an earlier run
             "name": task.task_name,

@@ -44,6 +44,7 @@ class TaskSummary:
     trials: int  # measured trials on disk for this task, all runs together
     best_us: float | None
     skipped: bool = False  # already at budget when this run started
+    space_exhausted: bool = False  # its search ended with every point of its space measured
     default_us: float | None = None  # default schedule, timed side by side with tuned_us
     tuned_us: float | None = None  # best record re-timed next to the default
 
@@ -201,6 +202,8 @@ class TaskSearch:
             self.checkpoint(summary, database)
         if finished:
             entry["budget"] = summary.budget
+            # the search ended without a deadline and short of the budget: nothing left to measure
+            summary.space_exhausted = summary.trials < summary.budget
         self.save()
 
     def save(self) -> None:
