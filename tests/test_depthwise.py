@@ -46,14 +46,6 @@ def _dw_model(channels, size, stride, kernel=3, epilogue="clip", seed=0):
     return g.finish([y])
 
 
-def _feeds(model, seed=1):
-    rng = np.random.default_rng(seed)
-    return {
-        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
-        for i in model.graph.input
-    }
-
-
 def _lowered(model, target=ZNVER3):
     return run_passes(import_onnx(model).mod, pipeline_passes(target), target)
 
@@ -92,7 +84,7 @@ GROUPED = [
 @pytest.mark.parametrize("channels,size,stride,kernel,epilogue", CASES)
 def test_depthwise_matches_onnxruntime(target, channels, size, stride, kernel, epilogue):
     model = _dw_model(channels, size, stride, kernel, epilogue)
-    feeds = _feeds(model)
+    feeds = models.random_inputs(model, seed=1)
     result = tvm_fusion.build(model, target, tuning_logs=None)
     funcs = _prim_funcs(result.lowered)
     assert any(_stages(f) for f in funcs.values()), list(funcs)  # it took the depthwise form
@@ -112,7 +104,7 @@ def test_grouped_convs_with_narrow_groups_match_onnxruntime(cin, cout, groups, s
     model = g.finish([g.relu(y)])
     result = tvm_fusion.build(model, ZNVER3, tuning_logs=None)
     assert any(_stages(f) for f in _prim_funcs(result.lowered).values())
-    feeds = _feeds(model)
+    feeds = models.random_inputs(model, seed=1)
     got, ref = run_executable(result.executable, feeds), ort_run(model, feeds)
     assert float(np.abs(got - ref).max() / np.abs(ref).max()) <= 1e-5
 
@@ -223,6 +215,6 @@ def test_tuning_searches_the_depthwise_space_and_the_build_replays_it(tmp_path):
     assert again.new_trials == 0 and "its whole space measured before" in str(again)
     built = tvm_fusion.build(model, ZNVER3, name="dw", tuning_logs=tmp_path)
     assert built.records_status == "ok"
-    feeds = _feeds(model)
+    feeds = models.random_inputs(model, seed=1)
     got, ref = run_executable(built.executable, feeds), ort_run(model, feeds)
     assert float(np.abs(got - ref).max() / np.abs(ref).max()) <= 1e-5

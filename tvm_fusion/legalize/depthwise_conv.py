@@ -27,7 +27,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax, te, tirx
 
-from .nchwc_conv import out_dtype
+from .conv_args import cpu_float32_nchw_conv
 
 STAGE = "tvm_fusion.depthwise"  # block annotation: pad / phase / conv / crop
 GROUP_OUT = "tvm_fusion.group_channels"  # on the conv block: output channels per group
@@ -111,30 +111,14 @@ def eligible_conv(call: relax.Call) -> dict | None:
     """The conv's facts if it is a depthwise conv this lowering covers (NCHW / OIHW, one filter
     per channel or narrow groups, dilation 1, static float32 shapes, stride 2 or an output width
     ≥ ``MIN_WIDTH`` (``MIN_WIDTH_3X3`` for depthwise 3×3), LLVM target in scope), else None."""
+    shapes = cpu_float32_nchw_conv(call)
+    if shapes is None:
+        return None
     attrs = call.attrs
-    target = tvm.target.Target.current(allow_none=True)
-    if target is None or target.kind.name != "llvm":
-        return None
-    if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) != ("NCHW", "OIHW", "NCHW"):
-        return None
-    if any(int(d) != 1 for d in attrs.dilation):
-        return None
-    dty, wty = call.args[0].ty, call.args[1].ty
-    if not all(isinstance(t, relax.TensorType) and t.shape is not None for t in (dty, wty)):
-        return None
-    try:
-        dshape = [int(x) for x in dty.shape]
-        wshape = [int(x) for x in wty.shape]
-    except (TypeError, ValueError):
-        return None
-    if len(dshape) != 4 or len(wshape) != 4:
-        return None
+    dshape, wshape = shapes
     groups = int(attrs.groups)
     strides = [int(s) for s in attrs.strides]
     if groups < 2 or wshape[1] > MAX_GROUP_CHANNELS or wshape[0] % groups or dshape[1] != groups * wshape[1]:
-        return None
-    dtype = out_dtype(attrs) or "float32"
-    if str(dty.dtype) != "float32" or str(wty.dtype) != "float32" or dtype != "float32":
         return None
     padding = [int(p) for p in attrs.padding]
     ow = (dshape[3] + padding[1] + padding[3] - wshape[3]) // strides[1] + 1
@@ -146,6 +130,7 @@ def eligible_conv(call: relax.Call) -> dict | None:
         return None
     from ..schedules._util import vector_lanes  # pylint: disable=import-outside-toplevel
 
+    target = tvm.target.Target.current()
     return {
         "strides": strides,
         "padding": padding,

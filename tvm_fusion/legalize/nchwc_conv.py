@@ -11,11 +11,7 @@ import re
 
 from tvm import relax, te, topi
 
-
-def out_dtype(attrs) -> str | None:
-    text = "" if attrs.out_dtype is None else str(attrs.out_dtype)
-    return None if text in ("", "void", "None") else text
-
+from .conv_args import out_dtype, static_shapes
 
 _NCHWC_RE = re.compile(r"NCHW(\d+)c")
 _OIHWIO_RE = re.compile(r"OIHW(\d+)i(\d+)o")
@@ -71,14 +67,10 @@ def legalize_conv2d_nchwc(bb: relax.BlockBuilder, call: relax.Call):
     km = _OIHWIO_RE.fullmatch(str(attrs.kernel_layout))
     if not (dm and om and km):
         return None
-    data_sinfo, kernel_sinfo = call.args[0].ty, call.args[1].ty
-    if not all(isinstance(s, relax.TensorType) and s.shape is not None for s in (data_sinfo, kernel_sinfo)):
-        return None
-    try:
-        dshape = [int(x) for x in data_sinfo.shape]
-        kshape = [int(x) for x in kernel_sinfo.shape]
-    except (TypeError, ValueError):
+    shapes = static_shapes(call)
+    if shapes is None:
         return None  # symbolic shapes: not supported
+    dshape, kshape = shapes
     groups = int(attrs.groups)
     cin = dshape[1] * dshape[4]
     depthwise = (

@@ -42,6 +42,8 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.topi.nn import winograd_util
 
+from .conv_args import cpu_float32_nchw_conv
+
 STAGE = "tvm_fusion.winograd"  # block annotation: weight / input / gemm / output
 TILE = "tvm_fusion.winograd_tile"  # block annotation on every stage: m
 SIGNATURE = "tvm_fusion.conv_signature"  # block annotation on the gemm stage (tuning groups by it)
@@ -239,28 +241,12 @@ def default_algorithm(channels_in: int, channels_out: int, tiles: dict, lanes: i
 def eligible_conv(call: relax.Call) -> dict | None:
     """The conv's shapes if Winograd can compute it (3×3, stride 1, dilation 1, groups 1, NCHW /
     OIHW, static float32 shapes, LLVM target in scope), else None."""
+    shapes = cpu_float32_nchw_conv(call)
     attrs = call.attrs
-    target = tvm.target.Target.current(allow_none=True)
-    if target is None or target.kind.name != "llvm":
+    if shapes is None or int(attrs.groups) != 1 or any(int(s) != 1 for s in attrs.strides):
         return None
-    if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) != ("NCHW", "OIHW", "NCHW"):
-        return None
-    if int(attrs.groups) != 1 or any(int(s) != 1 for s in attrs.strides):
-        return None
-    if any(int(d) != 1 for d in attrs.dilation):
-        return None
-    dty, wty = call.args[0].ty, call.args[1].ty
-    if not all(isinstance(t, relax.TensorType) and t.shape is not None for t in (dty, wty)):
-        return None
-    try:
-        dshape = [int(x) for x in dty.shape]
-        wshape = [int(x) for x in wty.shape]
-    except (TypeError, ValueError):
-        return None
-    odt = "" if attrs.out_dtype is None else str(attrs.out_dtype)
-    if str(dty.dtype) != "float32" or str(wty.dtype) != "float32" or odt not in ("", "void", "float32"):
-        return None
-    if wshape[2:] != [3, 3] or len(dshape) != 4:
+    dshape, wshape = shapes
+    if wshape[2:] != [3, 3]:
         return None
     padding = [int(p) for p in attrs.padding]
     oh, ow = dshape[2] + padding[0] + padding[2] - 2, dshape[3] + padding[1] + padding[3] - 2
@@ -275,7 +261,7 @@ def eligible_conv(call: relax.Call) -> dict | None:
         "channels_in": dshape[1],
         "channels_out": wshape[0],
         "tiles": {m: dshape[0] * math.ceil(oh / m) * math.ceil(ow / m) for m in FORMS.values()},
-        "lanes": vector_lanes(target, "float32"),
+        "lanes": vector_lanes(tvm.target.Target.current(), "float32"),
     }
 
 

@@ -43,7 +43,7 @@ from tvm.target import codegen
 
 from ..ir import graph_functions, op_name, static_shape
 from ..legalize import register as register_legalizations
-from ..legalize.nchwc_conv import out_dtype
+from ..legalize.conv_args import out_dtype
 from ..targets import is_gpu, parse_target
 
 __all__ = ["RewriteLayout", "count_layout_transforms", "choose_layout"]
