@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -216,7 +217,22 @@ class LocalFleet:
     def _spawn(self, args: list[str], log: str) -> subprocess.Popen:
         out = open(self.log_dir / log, "w")
         self._logs.append(out)
-        return subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT)
+        # its own process group: an RPC server runs its sessions in worker processes, which must
+        # stop with it (killing the server alone left them behind)
+        return subprocess.Popen(
+            [sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    @staticmethod
+    def stop(proc: subprocess.Popen) -> None:
+        """Kill a process this fleet started, with the workers it started."""
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        else:  # the server itself is gone; its workers may not be
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
     def add_server(self) -> subprocess.Popen:
         port = _free_port()
@@ -280,9 +296,8 @@ class LocalFleet:
 
     def __exit__(self, *_exc) -> None:
         for proc in [*self.servers, self._tracker_proc]:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+            if proc is not None:
+                self.stop(proc)
         for log in self._logs:
             log.close()
 
