@@ -27,7 +27,7 @@ HOST_HAS_AVX512 = "avx512f" in open("/proc/cpuinfo").read()  # else the 16-lane 
 
 def _dw_model(channels, size, stride, kernel=3, epilogue="clip", seed=0):
     """x -> depthwise Conv (bias, same padding) -> epilogue: "none", "clip" (relu6), "residual"
-    (add a second input) or "silu"."""
+    (add a second input), "silu" or "bn_silu" (BatchNormalization, then SiLU)."""
     g = models.GraphBuilder("dw", seed)
     x = g.input("x", (1, channels, size, size))
     w = g.weight("dw_w", (channels, 1, kernel, kernel))
@@ -42,6 +42,9 @@ def _dw_model(channels, size, stride, kernel=3, epilogue="clip", seed=0):
     elif epilogue == "residual":
         y = g.add(y, g.input("r", (1, channels, out, out)))
     elif epilogue == "silu":
+        y = g.op("Mul", [y, g.op("Sigmoid", [y])])
+    elif epilogue == "bn_silu":  # EfficientNet: BN folds into a bias add that SiLU reads twice
+        y = g.batch_norm(y, channels)
         y = g.op("Mul", [y, g.op("Sigmoid", [y])])
     return g.finish([y])
 
@@ -69,6 +72,7 @@ CASES = [
     (16, 15, 2, 3, "clip"),  # stride 2, odd input
     (24, 28, 2, 3, "none"),  # stride 2, the conv writes the output itself
     (6, 11, 1, 5, "silu"),  # 5x5 (EfficientNet / MNASNet)
+    (16, 24, 2, 3, "bn_silu"),  # an epilogue that reads the conv's result twice
     (10, 20, 2, 5, "residual"),
     (4, 9, 2, 3, "clip"),  # output 5 wide: stride 2 takes the form below MIN_WIDTH
 ]
@@ -88,10 +92,26 @@ def test_depthwise_matches_onnxruntime(target, channels, size, stride, kernel, e
     result = tvm_fusion.build(model, target, tuning_logs=None)
     funcs = _prim_funcs(result.lowered)
     assert any(_stages(f) for f in funcs.values()), list(funcs)  # it took the depthwise form
+    # and the Depthwise rule scheduled it, epilogue included (SiLU's x * sigmoid(x) uses the
+    # conv's result twice), not Contraction
+    assert any(_by_depthwise_rule(f) for f in funcs.values()), list(funcs)
     if target is ZNVER3 or HOST_HAS_AVX512:
         got = run_executable(result.executable, feeds)
         ref = ort_run(model, feeds)
         assert float(np.abs(got - ref).max() / np.abs(ref).max()) <= 1e-5
+
+
+def _by_depthwise_rule(func) -> bool:
+    """The Depthwise rule's mark: the padded input computed inside the parallel task loop (other
+    rules make it a stage of its own)."""
+    parallel = [
+        s for s in tir_stmts(func.body) if isinstance(s, tirx.For) and s.kind == tirx.ForKind.PARALLEL
+    ]
+    return any(
+        isinstance(s, tvm.s_tir.SBlock) and s.name_hint.startswith("depthwise_pad")
+        for loop in parallel
+        for s in tir_stmts(loop.body)
+    )
 
 
 @pytest.mark.parametrize("cin,cout,groups,size,stride", GROUPED)

@@ -32,6 +32,7 @@ from ._util import (
     divisors_upto,
     int_extent,
     num_vector_registers,
+    reachable_blocks,
     safe_rule,
     stage_blocks,
     try_primitive,
@@ -79,9 +80,9 @@ class Depthwise(CpuRule):
         if set(stages) - {"crop", "phase"} != {"pad", "conv"}:
             return None
         conv, pad = stages["conv"], stages["pad"]
-        chain = _epilogue_chain(sch, conv)
+        epilogue = _epilogue(sch, conv)
         staged = 3 if "phase" in stages else 2
-        if chain is None or len(sch.get_child_blocks(sch.get_sblock("root"))) != staged + len(chain):
+        if epilogue is None or len(sch.get_child_blocks(sch.get_sblock("root"))) != staged + len(epilogue):
             return None
         loops = sch.get_loops(conv)
         extents = [int_extent(sch, lp) for lp in loops]
@@ -96,11 +97,12 @@ class Depthwise(CpuRule):
         channel_options = channel_choices(group_out, rows, num_vector_registers(target))
         together = channel_options[knobs.choose(sch, "channels", len(channel_options))]
 
-        # accumulators in registers; the epilogue reads them (write-back + crop inlined into it)
-        chain.insert(0, sch.cache_write(conv, 0, "local"))
-        for blk in chain[:-1]:
+        # accumulators in registers; the epilogue reads them (write-back, crop and every
+        # elementwise step inlined into its last block)
+        epilogue.insert(0, sch.cache_write(conv, 0, "local"))
+        for blk in epilogue[:-1]:
             sch.compute_inline(blk)
-        final = chain[-1]
+        final = epilogue[-1]
 
         b_l, k_l, y_l, x_l, ic_l, kh_l, kw_l = sch.get_loops(conv)
         # a task: one group's channels (k_o x k_u), a block of rows
@@ -136,15 +138,15 @@ class Depthwise(CpuRule):
         return sch
 
 
-def _epilogue_chain(sch, conv) -> list | None:
-    """The blocks after the conv, one consumer each (crop, bias, clip, ...), or None when the
-    conv's result fans out or feeds a reduction (another rule's kernel)."""
-    chain, blk = [], conv
-    while consumers := sch.get_consumers(blk):
-        if len(consumers) != 1:
-            return None
-        blk = consumers[0]
-        if any(iv.iter_type != tirx.IterVar.DataPar for iv in sch.get(blk).iter_vars):
-            return None
-        chain.append(blk)
-    return chain
+def _epilogue(sch, conv) -> list | None:
+    """The elementwise blocks after the conv (crop, bias, clip, SiLU's ``x * sigmoid(x)``, a
+    residual add), nearest first, ending with the one that writes the result; None when the
+    conv's result feeds a reduction or more than one result (another rule's kernel)."""
+    blocks = reachable_blocks(sch, conv, sch.get_consumers)
+    if any(iv.iter_type != tirx.IterVar.DataPar for b in blocks for iv in sch.get(b).iter_vars):
+        return None
+    sinks = [b for b in blocks if not sch.get_consumers(b)]
+    if len(sinks) != 1:
+        return None
+    last = sch.get(sinks[0]).name_hint
+    return [b for b in blocks if sch.get(b).name_hint != last] + sinks
