@@ -47,9 +47,7 @@ def padded_width(width: int, lanes: int) -> int:
     """The output width the conv computes: ``width`` when it is a whole number of vectors of
     ``lanes`` or of 8 lanes (a 256-bit vector), else rounded up to a multiple of 8 (or ``lanes``
     when the SIMD width is smaller); the extra columns read zeros and are cropped."""
-    step = min(lanes, 8)
-    if width % lanes == 0 or width % step == 0:
-        return width
+    step = min(lanes, 8)  # divides lanes: a whole number of lanes-vectors is one of steps too
     return -(-width // step) * step
 
 

@@ -292,3 +292,12 @@ class CpuRule(ScheduleRule):
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
         return (sch, infos) if infos else None
+
+    def staged(self, func, target: Target, annotation: str):
+        """``(schedule, {stage: block})`` of a kernel our legalizations wrote (its root blocks
+        annotated ``annotation``: see :func:`stage_blocks`), or None when this rule cannot look at
+        it (not a PrimFunc, not a CPU target)."""
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        return sch, stage_blocks(sch, annotation)

@@ -23,7 +23,7 @@ accumulator) and ``channels`` (output channels per micro-kernel, for grouped con
 
 from __future__ import annotations
 
-from tvm import s_tir, tirx
+from tvm import tirx
 from tvm.target import Target
 
 from ..legalize.depthwise_conv import GROUP_OUT, STAGE
@@ -34,7 +34,6 @@ from ._util import (
     num_vector_registers,
     reachable_blocks,
     safe_rule,
-    stage_blocks,
     try_primitive,
     vector_lanes,
 )
@@ -73,10 +72,10 @@ class Depthwise(CpuRule):
 
     @safe_rule
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+        opened = self.staged(func, target, STAGE)
+        if opened is None:
             return None
-        sch = s_tir.Schedule(func)
-        stages = stage_blocks(sch, STAGE)
+        sch, stages = opened
         if set(stages) - {"crop", "phase"} != {"pad", "conv"}:
             return None
         conv, pad = stages["conv"], stages["pad"]

@@ -42,7 +42,6 @@ from ._util import (
     num_vector_registers,
     safe_rule,
     schedule_injective_block,
-    stage_blocks,
     try_primitive,
     vector_lanes,
 )
@@ -97,12 +96,10 @@ class Winograd(CpuRule):
 
     @safe_rule
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+        opened = self.staged(func, target, STAGE)
+        if opened is None:
             return None
-        from tvm import s_tir
-
-        sch = s_tir.Schedule(func)
-        stages = stage_blocks(sch, STAGE)
+        sch, stages = opened
         if set(stages) != {"weight", "pad", "input", "gemm", "output"}:
             return None
         knobs = self.last_knobs = Knobs(self.knobs, tunable)

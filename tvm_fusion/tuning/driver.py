@@ -141,9 +141,18 @@ def plan_tasks(rset: RecordSet, tasks: list, budgets: list[int]) -> list[TaskSum
         # A task tuned to its budget earlier may have measured fewer (its search space ran out).
         at_budget = trials >= budget or int(entry.get("budget", 0)) >= budget
         best_us = best[key] * 1e6 if key in best else None
-        summary = TaskSummary(task.task_name, key, budget, trials, trials, best_us, at_budget)
-        summary.space_exhausted = at_budget and trials < budget
-        summaries.append(summary)
+        summaries.append(
+            TaskSummary(
+                task.task_name,
+                key,
+                budget,
+                trials,
+                trials,
+                best_us,
+                skipped=at_budget,
+                space_exhausted=at_budget and trials < budget,  # ended short of its budget before
+            )
+        )
         rset.manifest["tasks"][key] = {
             **entry,  # keeps default_us / tuned_us / verified_trials of an earlier run
             "name": task.task_name,

@@ -225,14 +225,11 @@ class LocalFleet:
 
     @staticmethod
     def stop(proc: subprocess.Popen) -> None:
-        """Kill a process this fleet started, with the workers it started."""
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        else:  # the server itself is gone; its workers may not be
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        """Kill a process this fleet started, with the workers it started (also when the process
+        itself is already gone: its workers may not be)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
     def add_server(self) -> subprocess.Popen:
         port = _free_port()
