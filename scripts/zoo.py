@@ -329,9 +329,31 @@ def load_results(cache: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def store_result(cache: Path, row: dict) -> None:
+# the fields each target's run writes: a run of one target keeps the other's from before
+TARGET_FIELDS = {
+    "llvm": (
+        "llvm_build_s",
+        "llvm_error",
+        "ops",
+        "kernels",
+        "rel_err",
+        "ms_ort",
+        "ms_ours",
+        "threads",
+        "top_kernels",
+    ),
+    "cuda": ("cuda_build_s", "cuda_error", "cuda_kernels", "cuda_layout_transforms"),
+}
+
+
+def store_result(cache: Path, row: dict, targets=tuple(TARGET_FIELDS)) -> None:
     results = load_results(cache)
-    results[f"{row['model']}.{row['exporter']}"] = row
+    key = f"{row['model']}.{row['exporter']}"
+    previous = results.get(key, {})
+    for target, fields in TARGET_FIELDS.items():
+        if target not in targets:
+            row.update({f: previous[f] for f in fields if f in previous and f not in row})
+    results[key] = row
     path = results_path(cache)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
@@ -504,7 +526,7 @@ def cmd_run(args) -> int:
                     print(f"{key}: export failed: {_one_line(err)}", flush=True)
                     continue
             row = _run_child(name, exporter, args, targets)
-            store_result(args.cache, row)
+            store_result(args.cache, row, targets)
             print(f"{key}: {json.dumps({k: v for k, v in row.items() if k != 'top_kernels'})}", flush=True)
     write_report(load_results(args.cache), args.out, args.out.with_suffix(".png"), args.note)
     print(f"wrote {args.out}", flush=True)

@@ -354,3 +354,17 @@ def test_real_export_builds_and_matches_ort(name, exporter, tmp_path):
     path = zoo.export(name, exporter, tmp_path)
     model = onnx.load(str(path))
     _assert_matches_ort(model, zoo.feeds_for(model))
+
+
+def test_zoo_run_of_one_target_keeps_the_other_targets_columns(tmp_path):
+    """``zoo.py run --targets llvm`` re-measures the CPU columns and keeps the CUDA ones (they were
+    dropped: a CPU-only re-run showed "CUDA build + export: 18/32"); a CUDA run replaces them."""
+    zoo = _zoo_script()
+    cache = tmp_path / "onnx"  # results.json lives next to it
+    zoo.store_result(cache, {"model": "m", "exporter": "e", "ms_ours": 1.0, "cuda_build_s": 3.0})
+    zoo.store_result(cache, {"model": "m", "exporter": "e", "ms_ours": 2.0}, ("llvm",))
+    row = zoo.load_results(cache)["m.e"]
+    assert (row["ms_ours"], row["cuda_build_s"]) == (2.0, 3.0)
+    zoo.store_result(cache, {"model": "m", "exporter": "e", "cuda_error": "boom"}, ("cuda",))
+    row = zoo.load_results(cache)["m.e"]
+    assert (row["ms_ours"], row["cuda_error"]) == (2.0, "boom") and "cuda_build_s" not in row
