@@ -23,6 +23,7 @@ import tvm_fusion
 from tvm_fusion import files, frontend, models, targets, tuning
 from tvm_fusion.errors import TargetError, TuningRecordError, TvmFusionError
 from tvm_fusion.pipeline import unscheduled_module
+from tvm_fusion.tuning.defaults import default_fingerprint
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -640,13 +641,48 @@ def test_rule_space_is_searched_and_its_records_replay(ms_ready, cpu, tmp_path):
     assert more.new_trials == 2 and len({tuple(p) for p in entry["space_measured"]}) == 6
 
 
+def test_records_timed_against_an_older_default_are_retimed_before_use(fabricated, cpu, tmp_path):
+    """A newer tvm_fusion may schedule a kernel differently by default (its GEMMs stopped being
+    cache-blocked): the stored side-by-side verdict is then stale, so the build leaves the record
+    out, and tuning again (no new trials) re-times it against the current default."""
+    root, imported, path = _copy(fabricated, tmp_path)
+    (workload,) = tuning.read_record_set(path).workloads
+    current = default_fingerprint(workload.mod["main"], cpu)
+    trials = len((path / tuning.RECORD_FILE).read_text().splitlines())
+    verdict = dict(default_us=5e6, tuned_us=4e6, verified_trials=trials)  # the record won
+
+    _set_task_fields(path, **verdict, default_hash=current)
+    _, report = tuning.load_records(root, imported.name, imported.model_hash, cpu)
+    assert report.num_applied == 1, str(report)
+
+    _set_task_fields(path, **verdict, default_hash="0")  # timed against another default
+    db, report = tuning.load_records(root, imported.name, imported.model_hash, cpu)
+    assert db is None and report.num_applied == 0
+    assert "timed against an older default schedule" in str(report), str(report)
+
+    res = tuning.tune(
+        fabricated[2],
+        cpu,
+        model_name=imported.name,
+        model_hash=imported.model_hash,
+        trials=0,
+        log_root=root,
+        progress=False,
+    )
+    (entry,) = json.loads((path / tuning.MANIFEST_FILE).read_text())["tasks"].values()
+    assert res.new_trials == 0 and entry["default_hash"] == current
+    assert 0 < entry["default_us"] < 1e4  # re-timed: a 8x32x32 GEMM takes microseconds
+
+
 def test_verify_again_retimes_stored_verdicts(fabricated, cpu, tmp_path):
     """A verdict is stored once per trial count; ``verify_again`` re-times default vs best record
     (after a run on a busy machine) without measuring new trials."""
     root, imported, path = _copy(fabricated, tmp_path)
     mod = fabricated[2]
     trials = len((path / tuning.RECORD_FILE).read_text().splitlines())
-    _set_task_fields(path, default_us=5e6, tuned_us=4e6, verified_trials=trials)
+    (workload,) = tuning.read_record_set(path).workloads
+    current = default_fingerprint(workload.mod["main"], cpu)
+    _set_task_fields(path, default_us=5e6, tuned_us=4e6, verified_trials=trials, default_hash=current)
     kw = dict(
         model_name=imported.name, model_hash=imported.model_hash, trials=0, log_root=root, progress=False
     )

@@ -301,6 +301,7 @@ def tune(
                             runner,
                             rounds=verify_rounds,
                             again=verify_again,
+                            build_target=target,
                             say=say if progress else None,
                         )
             if alternatives:
@@ -320,7 +321,7 @@ def tune(
                 )
                 with stop.saving():
                     rset.save()
-    skipped, _ = slower_than_default(rset)
+    skipped, _ = slower_than_default(rset, target)
     database = rset.to_database(exclude=skipped)
     return TuneResult(
         path,

@@ -41,6 +41,7 @@ from .. import __version__
 from ..errors import TuningRecordError, last_line
 from ..files import write_text_atomic
 from ..targets import target_json, target_key
+from .defaults import default_fingerprint
 from .environment import check_environment, load_tensor_intrinsics
 
 WORKLOAD_FILE = "database_workload.json"
@@ -475,7 +476,7 @@ def load_records(
             raise TuningRecordError(msg)
         return None, RecordReport(path, "mismatch", [msg])
     messages = [f"{path}: {len(rset.records)} tuning records for {len(rset.workloads)} functions"]
-    skipped, unchecked = slower_than_default(rset) if only_faster else ({}, [])
+    skipped, unchecked = slower_than_default(rset, target) if only_faster else ({}, [])
     if skipped:
         messages.append(
             f"{len(skipped)} of {len(rset.workloads)} tuned functions not faster than the default schedule: "
@@ -511,7 +512,9 @@ def _fleet_record_sets(local: Path) -> list[Path]:
     return sorted(p for p in local.parent.glob(f"{local.name}@*") if (p / MANIFEST_FILE).exists())
 
 
-def slower_than_default(rset: RecordSet) -> tuple[dict[str, str], list[str]]:
+def slower_than_default(
+    rset: RecordSet, target: tvm.target.Target | None = None
+) -> tuple[dict[str, str], list[str]]:
     """Which workloads must keep the default schedule: ``({key: reason}, [unchecked names])``.
 
     A tuned schedule is applied only if it measured faster (by more than ``MIN_GAIN``) than the
@@ -519,6 +522,9 @@ def slower_than_default(rset: RecordSet) -> tuple[dict[str, str], list[str]]:
     of tuning (``tuned_us`` and ``default_us`` in the manifest). If trials were added after that
     check (an interrupted run), the best record's own latency stands in for ``tuned_us``.
     Workloads whose every trial failed are never applied (Meta-Schedule would apply a failed one).
+    With ``target``, a workload whose default schedule is no longer the one timed (its
+    ``default_hash``: this tvm_fusion's rules schedule it differently) is not applied either: the
+    comparison is stale, and the new default may be the faster one. Tuning again re-times it.
     """
     best = rset.best_by_workload()
     trials = rset.trials_by_workload()
@@ -536,6 +542,17 @@ def slower_than_default(rset: RecordSet) -> tuple[dict[str, str], list[str]]:
         default_us = entry.get("default_us")
         if default_us is None:
             unchecked.append(name)
+            continue
+        stored = entry.get("default_hash")
+        if (
+            target is not None
+            and stored is not None
+            and stored != default_fingerprint(wl.mod["main"], target)
+        ):
+            skipped[key] = (
+                f"{name}: timed against an older default schedule (this tvm_fusion schedules it "
+                "differently; tune again to re-time it)"
+            )
             continue
         tuned_us = entry.get("tuned_us")
         if tuned_us is None or entry.get("verified_trials") != trials.get(key, 0):

@@ -47,6 +47,7 @@ class TaskSummary:
     space_exhausted: bool = False  # its search ended with every point of its space measured
     default_us: float | None = None  # default schedule, timed side by side with tuned_us
     tuned_us: float | None = None  # best record re-timed next to the default
+    default_hash: str | None = None  # fingerprint of the default schedule timed (defaults.py)
 
     @property
     def new_trials(self) -> int:

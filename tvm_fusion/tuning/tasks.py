@@ -8,10 +8,9 @@ the build later looks up, and tuned schedules may pre-pack weights as the defaul
 from __future__ import annotations
 
 import tvm
-from tvm.s_tir import dlight as dl
 from tvm.s_tir import meta_schedule as ms
 
-from ..schedules import default_rules
+from .defaults import default_schedule
 from .records import workload_key
 
 
@@ -45,10 +44,4 @@ def default_schedule_modules(tasks: list, target: tvm.target.Target) -> dict[str
     (``RemoveWeightLayoutRewriteBlock``, as it does for tuned candidates): the timed kernel reads
     pre-packed weights like the built one does.
     """
-    rule = dl.ApplyDefaultSchedule(*default_rules(target))
-    out = {}
-    for task in tasks:
-        wl_mod = task.dispatched[0]
-        with target:
-            out[workload_key(wl_mod)] = rule(tvm.IRModule({"main": wl_mod["main"]}))
-    return out
+    return {workload_key(t.dispatched[0]): default_schedule(t.dispatched[0]["main"], target) for t in tasks}

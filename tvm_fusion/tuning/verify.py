@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import tvm
 
+from .defaults import default_fingerprint
 from .records import RecordSet
 from .tasks import default_schedule_modules
 from .workers import measure_modules
@@ -23,19 +24,26 @@ def verify_against_default(
     *,
     rounds: int = 5,
     again: bool = False,
+    build_target: tvm.target.Target | None = None,
     say: Callable[[str], None] | None = None,
 ) -> None:
     """Time each task's default schedule and its best tuned record side by side; store
-    ``default_us``, ``tuned_us`` and ``verified_trials`` in the manifest. ``tasks`` and
-    ``summaries`` are parallel lists. Tasks checked already with the trials now on disk are
-    skipped unless ``again``."""
+    ``default_us``, ``tuned_us``, ``verified_trials`` and the default's fingerprint
+    (``default_hash``, on ``build_target``: the user's target, which the build checks it with) in
+    the manifest. ``tasks`` and ``summaries`` are parallel lists. Tasks checked already with the
+    trials now on disk and the same default schedule are skipped unless ``again``."""
+    build_target = build_target or target
     todo = []
     for task, summary in zip(tasks, summaries):
         entry = rset.manifest["tasks"][summary.workload_key]
+        fingerprint = default_fingerprint(task.dispatched[0]["main"], build_target)
+        entry_default = entry.get("default_hash")
+        summary.default_hash = fingerprint
         if (
             not again
             and entry.get("verified_trials") == summary.trials
             and entry.get("default_us") is not None
+            and entry_default == fingerprint
         ):
             summary.default_us, summary.tuned_us = entry["default_us"], entry.get("tuned_us")
         else:
@@ -63,7 +71,10 @@ def verify_against_default(
                 say(f"  {summary.name}: could not time the default schedule; records applied unchecked")
             continue
         rset.manifest["tasks"][key].update(
-            default_us=summary.default_us, tuned_us=summary.tuned_us, verified_trials=summary.trials
+            default_us=summary.default_us,
+            tuned_us=summary.tuned_us,
+            verified_trials=summary.trials,
+            default_hash=summary.default_hash,
         )
     rset.save()
 
