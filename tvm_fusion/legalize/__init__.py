@@ -10,6 +10,8 @@
   where the pipeline's decision (``winograd_conv.conv_algorithms``) or the cost rule says so.
 * ``depthwise_conv``: depthwise NCHW conv2d on LLVM CPUs with a polyphase padded input and whole
   output vectors (stride-2 windows without gathers).
+* ``strided_pointwise_conv``: 1×1 NCHW conv2d with a stride on LLVM CPUs as a subsample stage and
+  a stride-1 conv (a GEMM over the contiguous plane, no gathers).
 
 :func:`register` installs them (the pipeline and ``RewriteLayout`` call it).
 
@@ -31,7 +33,7 @@ import tvm
 from tvm import relax
 from tvm.ir import Op
 
-from . import depthwise_conv, fast_exp, fast_gelu, nchwc_conv, winograd_conv
+from . import depthwise_conv, fast_exp, fast_gelu, nchwc_conv, strided_pointwise_conv, winograd_conv
 
 LEVEL = 21  # above TVM's own registrations (level 10)
 
@@ -78,12 +80,15 @@ def override_legalization(op_name: str, try_legalize: Callable, always: bool = F
 
 def _legalize_conv2d(bb, call):
     """NCHW{c} convs our way (always: stock TVM cannot lower them); inside :func:`enabled`,
-    eligible NCHW 3x3 convs as Winograd where chosen and depthwise convs our way; else None."""
+    eligible NCHW 3x3 convs as Winograd where chosen, depthwise and strided 1x1 convs our way;
+    else None."""
     result = nchwc_conv.legalize_conv2d_nchwc(bb, call)
     if result is None and _ENABLED.get():
         result = winograd_conv.legalize_conv2d_winograd(bb, call)
     if result is None and _ENABLED.get():
         result = depthwise_conv.legalize_depthwise_conv2d(bb, call)
+    if result is None and _ENABLED.get():
+        result = strided_pointwise_conv.legalize_strided_pointwise_conv2d(bb, call)
     return result
 
 

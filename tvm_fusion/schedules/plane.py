@@ -76,6 +76,9 @@ def flatten_plane(sch, main_info) -> bool:
         if pair is None:
             return False
         pairs.append(pair)
+    # a producer of a plane operand (a strided 1x1 conv's subsampled input) keeps its own loops
+    # (its reads need not be [.., h, w]); only the layout of the buffer it writes changes
+    writers = blocks + list(sch.get_producers(main))
     flat = {}  # intermediate [.., H, W] buffers -> the plane block that writes them
     for blk in blocks:
         stmt = sch.get(blk)
@@ -83,7 +86,7 @@ def flatten_plane(sch, main_info) -> bool:
             buf = region.source
             if buf not in params and tuple(int(d) for d in buf.shape[-2:]) == plane:
                 writer = next(
-                    (b for b in blocks if any(w.source.same_as(buf) for w in sch.get(b).writes)), None
+                    (b for b in writers if any(w.source.same_as(buf) for w in sch.get(b).writes)), None
                 )
                 if writer is None:
                     return False  # written outside the plane blocks (e.g. a padded copy)
