@@ -45,6 +45,7 @@ from .passes import (
     FuseAttention,
     HorizontalFuse,
     MarkSingleBufferNoAlias,
+    PadConvChannels,
     RewriteLayout,
 )
 from .policy import FusionPolicy
@@ -117,6 +118,7 @@ def pipeline_stages(
     if layout:
         chosen = PIPELINE_LAYOUT.get(target.kind.name, "auto") if layout is True else layout
         rewrite += [RewriteLayout(target, chosen), relax.transform.FoldConstant()]
+    rewrite.append(PadConvChannels(target))  # whole vectors of output channels (CPU, NCHW)
     fuse = [ApplyFusionPolicy(policy, target)] if fusion else []
     fuse += [
         LowerAttention(target),

@@ -68,7 +68,9 @@ OP_CLASSES: dict[str, list[str]] = {
     # shape-only views: the same row-major data, so they may follow a GEMM's tile like an
     # elementwise op (exporters put one between a matmul and its bias add: GPT-2)
     "view": ["reshape", "expand_dims", "squeeze", "flatten"],
-    "injective": ["permute_dims", "layout_transform", "broadcast_to", "strided_slice"],
+    "injective": ["permute_dims", "layout_transform", "broadcast_to"],
+    # a crop of the producer's result: the channels PadConvChannels added, the Q/K/V split
+    "slice": ["strided_slice"],
     "norm": ["nn.layer_norm", "nn.rms_norm", "nn.group_norm"],
     "softmax": ["nn.softmax", "nn.log_softmax"],
     "dropout": ["nn.dropout"],
@@ -80,18 +82,19 @@ ELEMENTWISE = ["binary", "activation"]
 
 DEFAULT_VERTICAL: dict[str, list[str]] = {
     # anchor -> bias add / residual add / activation epilogue
-    "conv": ELEMENTWISE + ["view"],
+    "conv": ELEMENTWISE + ["view", "slice"],
     "gemm": ELEMENTWISE + ["view"],
     # elementwise chains, and elementwise prologues of normalisations (residual add -> layer_norm)
-    "binary": ELEMENTWISE + ["view", "injective", "norm", "softmax", "reduce"],
-    "activation": ELEMENTWISE + ["view", "injective", "norm", "softmax", "reduce"],
-    "view": ["view", "injective"] + ELEMENTWISE + ["norm", "softmax", "reduce"],
-    "injective": ["view", "injective"] + ELEMENTWISE,
+    "binary": ELEMENTWISE + ["view", "injective", "slice", "norm", "softmax", "reduce"],
+    "activation": ELEMENTWISE + ["view", "injective", "slice", "norm", "softmax", "reduce"],
+    "view": ["view", "injective", "slice"] + ELEMENTWISE + ["norm", "softmax", "reduce"],
+    "injective": ["view", "injective", "slice"] + ELEMENTWISE,
+    "slice": ["view", "injective", "slice"] + ELEMENTWISE,
     # layer_norm -> matmul (prologue of the next projection), softmax -> dropout
     "norm": ["gemm"] + ELEMENTWISE,
     "softmax": ["dropout"] + ELEMENTWISE,
     "pool": ELEMENTWISE,
-    "reduce": ELEMENTWISE + ["view", "injective"],
+    "reduce": ELEMENTWISE + ["view", "injective", "slice"],
 }
 
 # Rough FLOPs per output element, for the cost model. Anything unlisted counts 1.
@@ -217,7 +220,7 @@ class FusionPolicy:
     )
     max_fusion_depth: int = 4
     anchor_classes: list[str] = dataclasses.field(default_factory=lambda: ["conv", "gemm"])
-    epilogue_classes: list[str] = dataclasses.field(default_factory=lambda: [*ELEMENTWISE, "view"])
+    epilogue_classes: list[str] = dataclasses.field(default_factory=lambda: [*ELEMENTWISE, "view", "slice"])
     benefit_threshold_us: float = 0.0
     use_cost_model: bool = True
     roofline: Roofline | None = None  # None: the preset for the build target

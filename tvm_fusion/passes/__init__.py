@@ -8,6 +8,7 @@ from .fold_constant_calls import FoldConstantCalls
 from .fuse_attention import FuseAttention, attention_decisions
 from .horizontal_fuse import HorizontalFuse
 from .mark_single_buffer_noalias import MarkSingleBufferNoAlias
+from .pad_conv_channels import PadConvChannels
 from .rewrite_layout import RewriteLayout, count_layout_transforms
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "FuseAttention",
     "HorizontalFuse",
     "MarkSingleBufferNoAlias",
+    "PadConvChannels",
     "RewriteLayout",
     "attention_decisions",
     "count_layout_transforms",
