@@ -91,3 +91,12 @@ def test_cuda_and_non_constant_weights_are_left_alone():
     with SKYLAKE:
         (conv,) = _convs(PadConvChannels(SKYLAKE)(import_onnx(g.finish([g.op("Conv", [x, w])])).mod))
     assert int(conv.ty.shape[1]) == 1000
+
+
+@pytest.mark.parametrize("size", [16, 1], ids=["plane_of_whole_vectors", "squeeze_excitation_1x1"])
+def test_convs_whose_plane_takes_the_lanes_or_is_a_gemv_are_left_alone(size):
+    """16x16 = 256 outputs: the plane gets the vector lanes itself (MobileNet-V3's 72 channels at
+    56x56 measured slower padded); a 1x1 plane is a GEMV whose crop costs more than it saves."""
+    with SKYLAKE:
+        (conv,) = _convs(PadConvChannels(SKYLAKE)(import_onnx(_model(64, 1000, size)).mod))
+    assert int(conv.ty.shape[1]) == 1000

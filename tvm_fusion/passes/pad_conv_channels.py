@@ -2,8 +2,9 @@
 
 The Contraction rule puts a 1×1 / direct conv's vector lanes on its output channels. With a
 count no vector width divides (SqueezeNet's 1000-way classifier conv, RegNet's 440 / 104
-channels) it falls back to narrow or odd vectors: SqueezeNet's 512→1000 conv at 13×13 ran at
-186 GFLOP/s, the same conv with 1008 channels at 397. So a conv with a constant weight becomes
+channels) and an output plane no vector width divides either (13×13, 7×7, 14×14) it falls back
+to narrow or odd vectors: SqueezeNet's 512→1000 conv at 13×13 ran at 186 GFLOP/s, the same conv
+with 1008 channels at 397. So a conv with a constant weight becomes
 ``strided_slice(conv2d(x, W'), channels 0..O)`` where ``W'`` has zero filters up to the next
 multiple of the vector width: the padded weight is a constant (free at run time), the extra
 channels cost at most ``MAX_WASTE`` more FMAs, and the slice fuses into the conv's kernel as its
@@ -78,6 +79,12 @@ class _Padder(relax.PyExprMutator):
             or wshape is None
             or {dtype_of(data), dtype_of(weight), dtype_of(call)} != {"float32"}
         ):
+            return call
+        out_shape = static_shape(call)
+        plane = None if out_shape is None else out_shape[2] * out_shape[3]
+        if plane is None or plane < self.lanes or plane % self.lanes == 0:
+            # a plane of whole vectors takes the lanes itself (MobileNet-V3's 72 channels at 56x56);
+            # a 1x1 plane (squeeze-excitation) is a GEMV: the crop would cost more than it saves
             return call
         padded = padded_channels(wshape[0], self.lanes)
         if padded is None:
