@@ -55,6 +55,16 @@ def graph_functions(mod: tvm.IRModule) -> Iterator[tuple[relax.GlobalVar, relax.
             yield gvar, func
 
 
+def with_functions(mod: tvm.IRModule, updates: dict) -> tvm.IRModule:
+    """``mod`` with ``updates`` (global var -> function) put in; ``mod`` itself when there are none."""
+    if not updates:
+        return mod
+    mod = mod.clone()
+    for gvar, func in updates.items():
+        mod[gvar] = func
+    return mod
+
+
 def named_shape(expr) -> tuple[int | str, ...] | None:
     """The shape with symbolic dims as their names (two tensors with the same symbolic batch
     compare equal); None when the shape is unknown or has a computed dim."""

@@ -43,7 +43,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import dtype_of, graph_functions, named_shape, op_name, static_shape, tensor_type
+from ..ir import dtype_of, graph_functions, named_shape, op_name, static_shape, tensor_type, with_functions
 
 __all__ = ["FoldBatchNorm"]
 
@@ -76,12 +76,7 @@ class FoldBatchNorm:
             new_func = _fold_function(func, self.lower_unfoldable)
             if new_func is not func:
                 updates[gvar] = new_func
-        if not updates:
-            return mod
-        mod = mod.clone()
-        for gvar, func in updates.items():
-            mod[gvar] = func
-        return mod
+        return with_functions(mod, updates)
 
 
 # -- driver -----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import dtype_of, graph_functions, op_name, static_shape
+from ..ir import dtype_of, graph_functions, op_name, static_shape, with_functions
 from ..schedules._util import vector_lanes
 
 __all__ = ["PadConvChannels"]
@@ -42,12 +42,7 @@ class PadConvChannels:
             new_func = _Padder(lanes).visit_expr(func)
             if not new_func.same_as(func):
                 updates[gvar] = new_func
-        if not updates:
-            return mod
-        mod = mod.clone()
-        for gvar, func in updates.items():
-            mod[gvar] = func
-        return mod
+        return with_functions(mod, updates)
 
 
 def padded_channels(channels: int, lanes: int) -> int | None:
