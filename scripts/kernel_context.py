@@ -33,8 +33,10 @@ def kernel_context(path: str, top: int = 10) -> list[tuple[str, int, float, floa
     functions = {gv.name_hint: f for gv, f in result.lowered.functions_items()}
     rows = []
     for name, ms, launches in kernel_times(vm, args, repeat=10):
+        if len(rows) >= top:
+            break
         func = functions.get(name)
-        if not isinstance(func, tvm.tirx.PrimFunc) or len(rows) >= top:
+        if not isinstance(func, tvm.tirx.PrimFunc):
             continue
         lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
         rng = np.random.default_rng(0)

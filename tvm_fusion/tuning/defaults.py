@@ -21,6 +21,11 @@ def default_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.
         return dl.ApplyDefaultSchedule(*default_rules(target))(tvm.IRModule({"main": func}))
 
 
+def schedule_fingerprint(scheduled: tvm.IRModule) -> str:
+    """Structural hash of a scheduled ``main``: equal iff the same kernel."""
+    return str(tvm_ffi.structural_hash(scheduled["main"]))
+
+
 def default_fingerprint(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> str:
-    """Structural hash of ``func``'s default schedule: equal iff the untuned build runs the same kernel."""
-    return str(tvm_ffi.structural_hash(default_schedule(func, target)["main"]))
+    """Fingerprint of ``func``'s default schedule: equal iff the untuned build runs the same kernel."""
+    return schedule_fingerprint(default_schedule(func, target))

@@ -543,6 +543,13 @@ def slower_than_default(
         if default_us is None:
             unchecked.append(name)
             continue
+        tuned_us = entry.get("tuned_us")
+        if tuned_us is None or entry.get("verified_trials") != trials.get(key, 0):
+            tuned_us = best[key] * 1e6
+        if not beats_default(tuned_us, default_us):
+            skipped[key] = f"{name}: tuned {float(tuned_us):.2f} us vs default {float(default_us):.2f} us"
+            continue
+        # last: fingerprinting schedules the default, so only records that would be applied pay it
         stored = entry.get("default_hash")
         if (
             target is not None
@@ -553,10 +560,4 @@ def slower_than_default(
                 f"{name}: timed against an older default schedule (this tvm_fusion schedules it "
                 "differently; tune again to re-time it)"
             )
-            continue
-        tuned_us = entry.get("tuned_us")
-        if tuned_us is None or entry.get("verified_trials") != trials.get(key, 0):
-            tuned_us = best[key] * 1e6
-        if not beats_default(tuned_us, default_us):
-            skipped[key] = f"{name}: tuned {float(tuned_us):.2f} us vs default {float(default_us):.2f} us"
     return skipped, unchecked

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import tvm
 
-from .defaults import default_fingerprint
+from .defaults import schedule_fingerprint
 from .records import RecordSet
 from .tasks import default_schedule_modules
 from .workers import measure_modules
@@ -33,24 +33,27 @@ def verify_against_default(
     the manifest. ``tasks`` and ``summaries`` are parallel lists. Tasks checked already with the
     trials now on disk and the same default schedule are skipped unless ``again``."""
     build_target = build_target or target
+    built_defaults = default_schedule_modules(tasks, build_target)  # what the build runs untuned
     todo = []
     for task, summary in zip(tasks, summaries):
         entry = rset.manifest["tasks"][summary.workload_key]
-        fingerprint = default_fingerprint(task.dispatched[0]["main"], build_target)
-        entry_default = entry.get("default_hash")
-        summary.default_hash = fingerprint
+        summary.default_hash = schedule_fingerprint(built_defaults[summary.workload_key])
         if (
             not again
             and entry.get("verified_trials") == summary.trials
             and entry.get("default_us") is not None
-            and entry_default == fingerprint
+            and entry.get("default_hash") == summary.default_hash
         ):
             summary.default_us, summary.tuned_us = entry["default_us"], entry.get("tuned_us")
         else:
             todo.append((task, summary))
     if not todo:
         return
-    defaults = default_schedule_modules([task for task, _ in todo], target)
+    # timed as scheduled for the search target (the same one on CPU: no second scheduling)
+    if build_target is target:
+        defaults = built_defaults
+    else:
+        defaults = default_schedule_modules([task for task, _ in todo], target)
     items = []
     for _, summary in todo:
         key = summary.workload_key
