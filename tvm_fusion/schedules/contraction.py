@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 
+import tvm
 from tvm import tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
@@ -82,6 +83,8 @@ RAGGED_PENALTY = 0.05  # the last tile's bounds check on every row
 PAD_PENALTY = 0.1  # zero-padded operand copies, and the cropping of the padded result
 MAX_EPILOGUE_UNROLL = 64  # copies of an epilogue body per tile (64 = 4 vectors x 16 rows, the largest tile)
 SHORT_TILE_FMAS = 1024  # below: accumulate in the global intermediate (see apply)
+RAGGED_GLOBAL_ACC = True  # a ragged row tile accumulates in the intermediate (see apply)
+WRITE_LINE_CYCLES = 8  # per cache line a tile's write-back touches (fitted on whole convnets, see _plans)
 # Cache blocking of the reduction (see _cache_block_plan). L1D is 32 KiB on every x86 core this
 # targets (znver2-4, Skylake..Sapphire Rapids have 32-48 KiB); half of it holds the panel chunk,
 # the rest is for the row operand's lines and the accumulator tile's spills.
@@ -265,7 +268,12 @@ class Contraction(CpuRule):
         if blocking is not None:
             acc_scope = "global"  # the whole task's accumulators, persisting across chunks
         else:
-            scopes = ["local", "global"] if tile_fmas >= SHORT_TILE_FMAS else ["global", "local"]
+            # a ragged last tile puts its bounds check on every accumulator update, and LLVM then
+            # keeps a "local" tile in memory (squeezenet's 128->16 1x1 conv over 55x55 in tiles
+            # of 8: 2.2x slower than accumulating in the intermediate)
+            ragged = RAGGED_GLOBAL_ACC and row_it is not None and row_it.dom % rt != 0
+            short = tile_fmas < SHORT_TILE_FMAS or ragged
+            scopes = ["global", "local"] if short else ["local", "global"]
             acc_scope = scopes[knobs.choose(sch, "acc", 2)]
         if epilogue is not None:
             if acc_scope == "local":
@@ -331,7 +339,10 @@ class Contraction(CpuRule):
         takes ``max(A, loads, FMA_IN_FLIGHT) / 2`` cycles (two FMA pipes, two vector loads a cycle,
         and FMA latency x pipes = 8 accumulators needed to keep the pipes busy). Each tile also pays
         a fixed cost (loop, init, accumulator set-up) and its write-back, which is a scatter of
-        single lanes when the vector iter is not the output's contiguous dim. The cost is the
+        single lanes when the vector iter is not the output's contiguous dim, plus a cost per cache
+        line it touches (a 32-channel x 8-pixel tile of an NCHW output touches 32 lines, an
+        8-channel x 16-pixel one 8: inside a model those lines come from L3/DRAM, and a 1x1 conv
+        of MobileNet-V2 ran 2.3x faster with lanes along the plane). The cost is the
         tile's cycles over the cycles its FMAs need at peak: 1.0 is FMA-bound.
         """
         lanes = vector_lanes(target, dtype)
@@ -409,7 +420,9 @@ class Contraction(CpuRule):
                             else:
                                 loads += vt * mult
                         step = max(acc, loads, FMA_IN_FLIGHT) / 2
-                        write_back = acc * (lanes if out_strided else 1) / 2
+                        write_back = acc * (
+                            lanes if out_strided else 1
+                        ) / 2 + WRITE_LINE_CYCLES * _lines_written(vt, rt, out_strided, dtype)
                         tile = r_steps * step + TILE_OVERHEAD_CYCLES + write_back
                         cost = pen + vt_pen + tile / (r_steps * acc / 2)
                         if row_it is not None and row_it.dom % rt:
@@ -648,6 +661,15 @@ def _fits_tile(sch, epilogue, loop) -> bool:
     loops = probe.get_loops(epilogue)
     at = next(i for i, lp in enumerate(loops) if probe.get(lp).same_as(probe.get(loop)))
     return all(int_extent(probe, lp) is not None for lp in loops[at + 1 :])
+
+
+def _lines_written(vt: int, rt: int, out_strided: bool, dtype: str) -> int:
+    """Cache lines one tile's write-back touches: ``rt`` rows of ``vt`` contiguous values, or, when
+    the vector iter is not the output's contiguous dim, ``vt`` rows of ``rt`` values each."""
+    per_line = 64 // (tvm.DataType(dtype).bits // 8)
+    if out_strided:
+        return vt * math.ceil(rt / per_line)
+    return rt * math.ceil(vt / per_line)
 
 
 def _imbalance(tasks: int, cores: int) -> float:
