@@ -786,17 +786,23 @@ def test_squeeze_excitation_scale_is_its_own_parallel_stage(cpu_target):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def _ragged_matmul(k: int):
+    """``x[1, 197, k] @ w + b`` scheduled and checked: 197 rows have no divisor to tile by."""
+    w, b = _rand(k, 64, scale=0.1 if k < 128 else 0.05), _rand(64)
+    mod = _module(
+        {"x": (1, 197, k)}, lambda bb, x: relax.op.add(relax.op.matmul(x, relax.const(w)), relax.const(b))
+    )
+    x = _rand(1, 197, k)
+    sched = _check(mod, [x], rtol=1e-4, atol=1e-4)
+    (func,) = [f for n, f in _prim_funcs(sched).items() if "matmul" in n]
+    return sched, func, x, w, b
+
+
 def test_prime_row_count_gets_ragged_row_tiles():
     """197 rows (ViT's sequence) has no divisor to tile by: instead of one-row tiles that stream the
     whole weight panel per row (17x slower than 196 rows), the rows are tiled with a partial last
     tile."""
-    w, b = _rand(96, 64, scale=0.1), _rand(64)
-    mod = _module(
-        {"x": (1, 197, 96)}, lambda bb, x: relax.op.add(relax.op.matmul(x, relax.const(w)), relax.const(b))
-    )
-    x = _rand(1, 197, 96)
-    sched = _check(mod, [x], rtol=1e-4, atol=1e-4)
-    (func,) = [f for n, f in _prim_funcs(sched).items() if "matmul" in n]
+    sched, func, x, w, b = _ragged_matmul(96)
     unrolled = [
         lp
         for lp in collect_loops(func)
@@ -917,13 +923,7 @@ def test_ragged_row_tiles_accumulate_in_the_intermediate():
     """A ragged last tile puts its bounds check on every accumulator update, and LLVM then keeps a
     ``local`` accumulator tile in memory: such tiles accumulate in the (compacted) intermediate
     (SqueezeNet's 128->16 1x1 conv over 55x55 in tiles of 8: 0.128 -> 0.058 ms)."""
-    w, b = _rand(256, 64, scale=0.05), _rand(64)
-    mod = _module(
-        {"x": (1, 197, 256)}, lambda bb, x: relax.op.add(relax.op.matmul(x, relax.const(w)), relax.const(b))
-    )
-    x = _rand(1, 197, 256)
-    sched = _check(mod, [x], rtol=1e-4, atol=1e-4)
-    (func,) = [f for n, f in _prim_funcs(sched).items() if "matmul" in n]
+    sched, func, x, w, b = _ragged_matmul(256)
     text = func.script()
     assert "T.where" in text, func  # 197 rows: the last tile is partial
     assert 'scope="local"' not in text, func
