@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 
 import numpy as np
 import onnx
@@ -23,6 +22,7 @@ import tvm_ffi
 
 import tvm_fusion
 from tvm_fusion import models
+from tvm_fusion.benchmark import _timings_ms
 from tvm_fusion.frontend import import_onnx
 from tvm_fusion.pipeline import unscheduled_module
 from tvm_fusion.profiling import kernel_times
@@ -88,12 +88,7 @@ def in_model_plans(model: onnx.ModelProto, plans: int = 5, rounds: int = 8):
     samples = {label: [] for label in builds}
     for _ in range(rounds):
         for label, vm in builds.items():
-            for _ in range(3):
-                vm["main"](*args)
-            for _ in range(5):
-                start = time.perf_counter()
-                vm["main"](*args)
-                samples[label].append((time.perf_counter() - start) * 1e3)
+            samples[label] += _timings_ms(lambda vm=vm: vm["main"](*args), runs=5, warmup=3)
     outputs = {label: vm["main"](*args).numpy() for label, vm in builds.items()}
     return choices, float(np.median(samples["default"])), float(np.median(samples["chosen"])), outputs
 

@@ -84,6 +84,7 @@ PAD_PENALTY = 0.1  # zero-padded operand copies, and the cropping of the padded 
 MAX_EPILOGUE_UNROLL = 64  # copies of an epilogue body per tile (64 = 4 vectors x 16 rows, the largest tile)
 SHORT_TILE_FMAS = 1024  # below: accumulate in the global intermediate (see apply)
 RAGGED_GLOBAL_ACC = True  # a ragged row tile accumulates in the intermediate (see apply)
+CACHE_LINE_BYTES = 64
 WRITE_LINE_CYCLES = 8  # per cache line a tile's write-back touches (fitted on whole convnets, see _plans)
 # Cache blocking of the reduction (see _cache_block_plan). L1D is 32 KiB on every x86 core this
 # targets (znver2-4, Skylake..Sapphire Rapids have 32-48 KiB); half of it holds the panel chunk,
@@ -346,6 +347,7 @@ class Contraction(CpuRule):
         tile's cycles over the cycles its FMAs need at peak: 1.0 is FMA-bound.
         """
         lanes = vector_lanes(target, dtype)
+        per_line = CACHE_LINE_BYTES // (tvm.DataType(dtype).bits // 8)  # output values per cache line
         regs = num_vector_registers(target)
         max_acc = regs - 4
         s_iters = [it for it in main_info.iters if it.kind == "S" and isinstance(it.dom, int) and it.dom >= 2]
@@ -420,9 +422,9 @@ class Contraction(CpuRule):
                             else:
                                 loads += vt * mult
                         step = max(acc, loads, FMA_IN_FLIGHT) / 2
-                        write_back = acc * (
-                            lanes if out_strided else 1
-                        ) / 2 + WRITE_LINE_CYCLES * _lines_written(vt, rt, out_strided, dtype)
+                        scatter = acc * (lanes if out_strided else 1) / 2
+                        lines = _lines_written(vt, rt, out_strided, per_line)
+                        write_back = scatter + WRITE_LINE_CYCLES * lines
                         tile = r_steps * step + TILE_OVERHEAD_CYCLES + write_back
                         cost = pen + vt_pen + tile / (r_steps * acc / 2)
                         if row_it is not None and row_it.dom % rt:
@@ -663,10 +665,9 @@ def _fits_tile(sch, epilogue, loop) -> bool:
     return all(int_extent(probe, lp) is not None for lp in loops[at + 1 :])
 
 
-def _lines_written(vt: int, rt: int, out_strided: bool, dtype: str) -> int:
+def _lines_written(vt: int, rt: int, out_strided: bool, per_line: int) -> int:
     """Cache lines one tile's write-back touches: ``rt`` rows of ``vt`` contiguous values, or, when
     the vector iter is not the output's contiguous dim, ``vt`` rows of ``rt`` values each."""
-    per_line = 64 // (tvm.DataType(dtype).bits // 8)
     if out_strided:
         return vt * math.ceil(rt / per_line)
     return rt * math.ceil(vt / per_line)
