@@ -60,27 +60,41 @@ def no_gpu_message() -> str:
     )
 
 
-# -- stage 1: builds, in parallel worker processes ------------------------------------------------
-def build_one(source: str, name: str, target: dict, so_path: str) -> dict:
-    """Build + export one model for CUDA (in a worker process); a dict of what happened."""
+# -- stage 1: exports and builds, in parallel worker processes -----------------------------------
+def build_one(source: str, name: str, target: dict, so_path: str, export: tuple | None = None) -> dict:
+    """Export (when ``export`` names ``(model, exporter, cache)``) and build + export one model for
+    CUDA, in a worker process; a dict of what happened."""
+    start = time.perf_counter()
+    if export is not None:
+        try:
+            import torch
+
+            torch.set_num_threads(2)  # several exports run side by side
+            zoo.export(*export)
+        except Exception as err:
+            return {
+                "export_s": round(time.perf_counter() - start, 1),
+                "error": f"export failed: {zoo._one_line(err)}",
+            }
     from tvm_fusion import build
 
-    start = time.perf_counter()
+    exported = time.perf_counter()
     try:
         result = build(source, target, name=name, tuning_logs=None)
         result.export(so_path)
         return {
-            "build_s": round(time.perf_counter() - start, 1),
+            "build_s": round(time.perf_counter() - exported, 1),
             "ops": result.summary.ops,
             "kernels": result.summary.kernels,
             "layout_transforms": result.summary.layout_transforms,
         }
     except Exception as err:
-        return {"build_s": round(time.perf_counter() - start, 1), "error": zoo._one_line(err)}
+        return {"build_s": round(time.perf_counter() - exported, 1), "error": zoo._one_line(err)}
 
 
-def model_sources(args) -> list[tuple[str, str]]:
-    """``[(row name, .onnx path or bundled example name)]`` for the models asked for."""
+def model_sources(args) -> list[tuple[str, str, tuple | None]]:
+    """``[(row name, .onnx path or bundled example name, export job or None)]``: a cached file is
+    used as is; a missing one is exported by the build worker when torch is installed."""
     names = QUICK_MODELS if args.quick and not args.models else zoo._select(args.models, zoo.ZOO, "model")
     exporters = zoo._select(args.exporters, zoo.EXPORTERS, "exporter")
     try:
@@ -93,20 +107,17 @@ def model_sources(args) -> list[tuple[str, str]]:
     for name in names:
         for exporter in exporters:
             path = zoo.onnx_path(args.cache, name, exporter)
-            if not path.exists() and can_export:
-                try:
-                    zoo.export(name, exporter, args.cache)
-                except Exception as err:
-                    print(f"{name}.{exporter}: export failed: {zoo._one_line(err)}", flush=True)
             if path.exists():
-                sources.append((f"{name}.{exporter}", str(path)))
+                sources.append((f"{name}.{exporter}", str(path), None))
+            elif can_export:
+                sources.append((f"{name}.{exporter}", str(path), (name, exporter, args.cache)))
             else:
                 missing.append(f"{name}.{exporter}")
     if missing:
         print(f"no .onnx file in {args.cache} and no torch to export: {', '.join(missing)}", flush=True)
     if not sources:
         print("falling back to the bundled example models (tvm_fusion.models)", flush=True)
-        sources = [(n, n) for n in ("resnet18", "bert_layer", "mobilenet_block")]
+        sources = [(n, n, None) for n in ("resnet18", "bert_layer", "mobilenet_block")]
     return sources
 
 
@@ -161,6 +172,35 @@ def check_on_gpu(source: str, so_path: str, runs: int) -> dict:
     return row
 
 
+def torch_ms(zoo_name: str, runs: int, device: str = "cuda") -> float | None:
+    """Median latency of the same model in PyTorch eager on ``device`` (FP32: TF32 off for convs
+    and matmuls, as TVM computes), the anchor a GPU user would otherwise run; None without torch
+    or without that device."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if device == "cuda" and not torch.cuda.is_available():
+        return None
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, args, _ = zoo.torch_model(zoo_name)
+    model = model.to(device)
+    args = tuple(a.to(device) for a in args)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        for _ in range(5):
+            model(*args)
+        sync()
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            model(*args)
+            sync()
+            times.append((time.perf_counter() - start) * 1e3)
+    return round(float(np.median(times)), 3)
+
+
 # -- stage 3: tune one kernel briefly -------------------------------------------------------------
 def gemm_model():
     """One BERT-sized GEMM + bias (seq 128, 768 -> 3072): a single fused kernel to tune."""
@@ -183,7 +223,8 @@ def gemm_model():
     return model
 
 
-def tune_one_kernel(target: dict, trials: int, log_root: str) -> dict:
+def tune_one_kernel(target: dict, trials: int, log_root: str, time_budget_s: float | None = None) -> dict:
+    """Tune the GEMM (the rule's own space, checked against the default schedule on the GPU)."""
     from tvm_fusion import tuning
 
     start = time.perf_counter()
@@ -194,7 +235,7 @@ def tune_one_kernel(target: dict, trials: int, log_root: str) -> dict:
         name="gemm_128x768x3072",
         log_root=log_root,
         progress=False,
-        measure=True,
+        time_budget_s=time_budget_s,
     )
     return {"seconds": round(time.perf_counter() - start, 1), "trials": trials, "summary": str(result)}
 
@@ -211,7 +252,8 @@ def write_report(path: Path, header: dict, rows: dict, tuned: dict | None) -> No
         f"({platform.processor() or platform.machine()}). Models: scripts/zoo.py's exports "
         "(random weights, batch 1, 224x224 / 128 tokens), untuned default (dlight) schedules. "
         f"Numerics against ONNX Runtime (max |err| / max |ref|, target {REL_TOL:g}); latency medians, "
-        "ours on the GPU (VM time_evaluator), ORT on the provider named per row.",
+        "ours on the GPU (VM time_evaluator), ORT on the provider named per row, PyTorch eager on the "
+        "GPU in FP32 (TF32 off) as the anchor a GPU user would otherwise run.",
         "",
     ]
     ok = [r for r in rows.values() if r.get("rel_err") is not None and r["rel_err"] <= REL_TOL]
@@ -222,17 +264,19 @@ def write_report(path: Path, header: dict, rows: dict, tuned: dict | None) -> No
     )
     lines += [
         "",
-        "| model | ops → kernels | layout transforms | build s | max rel err | ms ORT | ORT on | ms ours | × ORT |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "| model | ops → kernels | layout transforms | build s | max rel err | ms ORT | ORT on | ms torch | ms ours | × ORT | × torch |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     failures = []
     for name, r in rows.items():
         ratio = r["ms_ours"] / r["ms_ort"] if r.get("ms_ours") and r.get("ms_ort") else None
+        vs_torch = r["ms_ours"] / r["ms_torch"] if r.get("ms_ours") and r.get("ms_torch") else None
         kernels = f"{r['ops']} → {r['kernels']}" if "kernels" in r else "—"
         lines.append(
             f"| {name} | {kernels} | {zoo._fmt(r.get('layout_transforms'), 'd')} | {zoo._fmt(r.get('build_s'), '.1f')} "
             f"| {zoo._fmt(r.get('rel_err'), '.1e')} | {zoo._fmt(r.get('ms_ort'), '.3f')} | {r.get('ort_provider', '—')} "
-            f"| {zoo._fmt(r.get('ms_ours'), '.3f')} | {zoo._fmt(ratio, '.2f')} |"
+            f"| {zoo._fmt(r.get('ms_torch'), '.3f')} | {zoo._fmt(r.get('ms_ours'), '.3f')} "
+            f"| {zoo._fmt(ratio, '.2f')} | {zoo._fmt(vs_torch, '.2f')} |"
         )
         if r.get("error"):
             failures.append(f"- {name}: `{r['error']}`")
@@ -252,6 +296,9 @@ def write_report(path: Path, header: dict, rows: dict, tuned: dict | None) -> No
             ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
+    # the raw rows beside the table, for scripts (and for a run cut short)
+    raw = {"header": header, "rows": rows, "tuned": tuned}
+    path.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -294,15 +341,18 @@ def main(argv=None) -> int:
         "build_only": args.build_only,
     }
     sources = model_sources(args)
-    rows: dict[str, dict] = {name: {} for name, _ in sources}
+    rows: dict[str, dict] = {name: {} for name, _, _ in sources}
     workdir = Path(tempfile.mkdtemp(prefix="gpu_check."))
     workers = args.workers or max(1, min(8, (os.cpu_count() or 2) // 2))
-    print(f"building {len(sources)} models for {json.dumps(target)} with {workers} workers", flush=True)
+    print(
+        f"exporting/building {len(sources)} models for {json.dumps(target)} with {workers} workers",
+        flush=True,
+    )
     context = multiprocessing.get_context("spawn")  # no forked TVM runtime state in the workers
     with futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
         pending = {
-            pool.submit(build_one, src, name, target, str(workdir / f"{name}.so")): name
-            for name, src in sources
+            pool.submit(build_one, src, name, target, str(workdir / f"{name}.so"), job): name
+            for name, src, job in sources
         }
         build_deadline = started + args.budget * (0.9 if args.build_only else 0.55)
         try:
@@ -321,7 +371,8 @@ def main(argv=None) -> int:
     if args.build_only:
         print(f"wrote {args.out}")
         return 0 if all("error" not in r for r in rows.values()) else 1
-    sources_by_name = dict(sources)
+    sources_by_name = {name: src for name, src, _ in sources}
+    torch_times: dict[str, float | None] = {}
     for name, row in rows.items():
         if "error" in row or time.monotonic() > deadline - 60:
             row.setdefault("error", "not run: time budget")
@@ -330,6 +381,14 @@ def main(argv=None) -> int:
             row.update(check_on_gpu(sources_by_name[name], str(workdir / f"{name}.so"), args.runs))
         except Exception as err:
             row["error"] = zoo._one_line(err)
+        zoo_name = name.split(".")[0]
+        if zoo_name in zoo.ZOO and "error" not in row:
+            try:
+                if zoo_name not in torch_times:  # one eager timing serves both exporters' rows
+                    torch_times[zoo_name] = torch_ms(zoo_name, args.runs)
+                row["ms_torch"] = torch_times[zoo_name]
+            except Exception as err:
+                row["torch_error"] = zoo._one_line(err)
         print(f"{name}: {json.dumps(row)}", flush=True)
         write_report(args.out, header, rows, None)
     tuned = None
@@ -337,7 +396,7 @@ def main(argv=None) -> int:
     if left > 45:
         trials = args.trials or (16 if args.quick else 64)
         try:
-            tuned = tune_one_kernel(target, trials, str(workdir / "tuning_logs"))
+            tuned = tune_one_kernel(target, trials, str(workdir / "tuning_logs"), left - 20)
         except Exception as err:
             tuned = {"error": zoo._one_line(err)}
         print(json.dumps(tuned)[:2000], flush=True)
