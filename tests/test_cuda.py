@@ -87,3 +87,48 @@ def test_a_gpu_rule_that_raises_declines_and_the_next_one_runs(tmp_path):
 
     func = next(iter(funcs.values()))
     assert Declining(Raises()).apply(func, tvm.target.Target(CUDA), False) is None
+
+
+def _layer_norm_linear():
+    g = models.GraphBuilder("ln_linear", 0)
+    x = g.input("x", (1, 16, 64))
+    return g.finish([g.linear(g.layer_norm(x, 64), 64, 128)])
+
+
+def test_cuda_tuning_searches_a_layer_norm_matmul_kernel(tmp_path, monkeypatch):
+    """Meta-Schedule's default CUDA rules fail together on a layer norm fused in front of a
+    matmul (BERT's QKV/FFN kernels; found on an H200: the whole `tvm-fusion tune` stopped with
+    "IndexError: Index 6 out of bounds 6"). The task is searched without the rule that trips, so
+    it gets trials. Candidates are built with nvcc here; a stand-in runner "times" them (no GPU)."""
+    import random
+
+    from tvm.ir.utils import derived_object
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_fusion import tuning
+    from tvm_fusion.tuning import driver
+
+    @derived_object
+    class MadeUpTimes(ms.runner.PyRunner):
+        def run(self, inputs):
+            return [
+                ms.runner.RunnerFuture(
+                    lambda: True, lambda: ms.runner.RunnerResult([random.uniform(1e-5, 2e-5)], None)
+                )
+                for _ in inputs
+            ]
+
+    monkeypatch.setattr(driver, "check_can_tune", lambda target, tracker=None: 0)
+    monkeypatch.setattr(driver, "make_runner", lambda *args, **kwargs: MadeUpTimes())
+    result = tuning.tune_model(
+        _layer_norm_linear(),
+        CUDA,
+        trials=4,
+        num_trials_per_iter=4,
+        log_root=tmp_path,
+        progress=False,
+        check_default=False,
+        builders=2,
+    )
+    (task,) = [t for t in result.tasks if "layer_norm" in t.name and "matmul" in t.name]
+    assert task.search_error is None and task.trials > 0, str(result)

@@ -542,7 +542,7 @@ def test_interrupted_tuning_resumes_without_redoing_trials(ms_ready, cpu, tmp_pa
 def test_time_budget_ends_tasks_and_a_rerun_goes_on(ms_ready, cpu, tmp_path):
     """``time_budget_s`` (tvm-fusion tune --minutes) spreads a wall-time budget over the tasks; a
     task stopped by it is not marked at budget, so the next run continues it."""
-    model = _tiny_model((16, 32, 16))
+    model = _tiny_model((64, 256, 64), batch=64)  # spaces of 176 and 88 points: time ends them
     imported, mod = _fused(model, cpu)
     kw = dict(
         model_name=imported.name,
@@ -563,6 +563,73 @@ def test_time_budget_ends_tasks_and_a_rerun_goes_on(ms_ready, cpu, tmp_path):
     assert second.new_trials > 0 and second.total_trials > first.total_trials
     with pytest.raises(TvmFusionError, match="time budget must be positive"):
         tuning.tune(mod, cpu, time_budget_s=0, **kw)
+
+
+def test_a_failing_task_search_keeps_its_default_and_the_others_go_on(ms_ready, cpu, tmp_path, monkeypatch):
+    """One task whose search raises (Meta-Schedule's own space failing on a kernel, say) must not
+    end the run: it keeps its default schedule, says why, and the next task is searched."""
+    from tvm_fusion.tuning import search
+
+    model = _tiny_model((16, 32, 16))
+    imported, mod = _fused(model, cpu)
+    original = search.TaskSearch.run
+    failed = []
+
+    def run(self, task, summary, position, deadline=None):
+        if not failed:
+            failed.append(summary.name)
+            raise RuntimeError("Index 6 out of bounds 6")
+        return original(self, task, summary, position, deadline)
+
+    monkeypatch.setattr(search.TaskSearch, "run", run)
+    said = []
+    res = tuning.tune(
+        mod,
+        cpu,
+        model_name=imported.name,
+        model_hash=imported.model_hash,
+        log_root=tmp_path,
+        progress=False,
+        trials=4,
+        num_trials_per_iter=2,
+        check_default=False,
+        log=said.append,
+    )
+    by_name = {t.name: t for t in res.tasks}
+    assert by_name[failed[0]].search_error == "RuntimeError: Index 6 out of bounds 6"
+    assert by_name[failed[0]].trials == 0
+    assert all(t.trials > 0 for n, t in by_name.items() if n != failed[0])
+    assert f"{failed[0]}: the search failed" in " ".join(said)
+    assert "search failed: RuntimeError" in str(res)
+
+
+def test_a_spent_time_budget_starts_no_more_tasks(ms_ready, cpu, tmp_path, monkeypatch):
+    """Once the budget cannot pay for another task (its search and its check against the
+    default), no task starts: a 1-minute budget on an H200 ran 2.5 minutes, one batch per task,
+    before this. The tasks keep their defaults and the message says how to go on."""
+    from tvm_fusion.tuning import driver
+
+    monkeypatch.setattr(driver, "VERIFY_RESERVE_S", 1e6)
+    model = _tiny_model((16, 32, 16))
+    imported, mod = _fused(model, cpu)
+    said = []
+    res = tuning.tune(
+        mod,
+        cpu,
+        model_name=imported.name,
+        model_hash=imported.model_hash,
+        log_root=tmp_path,
+        progress=False,
+        trials=10_000,
+        num_trials_per_iter=2,
+        check_default=True,  # the check against the default is what the budget cannot pay for
+        time_budget_s=30,
+        log=said.append,
+    )
+    assert res.new_trials == 0
+    assert all(t.out_of_time for t in res.tasks)
+    assert "the time budget ran out before 2 task(s) were searched" in " ".join(said)
+    assert "not searched: the time budget ran out" in str(res)
 
 
 def test_incompatible_records_are_moved_aside_when_tuning(fabricated, cpu, tmp_path):

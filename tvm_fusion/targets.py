@@ -33,10 +33,15 @@ def llvm_target(mcpu: str | None = None, num_cores: int | None = None) -> tvm.ta
     )
 
 
+# What dlight reads from a CUDA target and assumes (with a warning per kernel, dozens per model)
+# when it is missing: the per-block shared memory every arch grants without an opt-in.
+CUDA_DEFAULTS = {"max_shared_memory_per_block": 49152}
+
+
 def cuda_target(arch: str = DEFAULT_CUDA_ARCH) -> tvm.target.Target:
     if not re.fullmatch(r"sm_\d+[a-z]?", arch):
         raise TargetError(f"bad CUDA arch {arch!r}: expected a name like 'sm_80' or 'sm_90a'")
-    return tvm.target.Target({"kind": "cuda", "arch": arch}, host=llvm_target())
+    return tvm.target.Target({"kind": "cuda", "arch": arch, **CUDA_DEFAULTS}, host=llvm_target())
 
 
 def parse_target(spec: Any, cuda_arch: str | None = None) -> tvm.target.Target:
@@ -62,8 +67,11 @@ def parse_target(spec: Any, cuda_arch: str | None = None) -> tvm.target.Target:
             )
     if isinstance(spec, dict):
         spec = dict(spec)
-        if spec.get("kind") == "cuda" and cuda_arch:
-            spec["arch"] = cuda_arch
+        if spec.get("kind") == "cuda":
+            if cuda_arch:
+                spec["arch"] = cuda_arch
+            for key, value in CUDA_DEFAULTS.items():
+                spec.setdefault(key, value)
         if spec.get("kind") == "llvm":
             spec.setdefault("mcpu", host_cpu())
             spec.setdefault("num-cores", os.cpu_count() or 1)

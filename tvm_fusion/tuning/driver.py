@@ -20,7 +20,7 @@ import tvm
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.analysis import estimate_tir_flops
 
-from ..errors import TuningRecordError, TvmFusionError
+from ..errors import TuningRecordError, TvmFusionError, last_line
 from ..frontend import as_imported
 from ..pipeline import unscheduled_module
 from ..shape_cache import symbolic_dims
@@ -74,6 +74,10 @@ class TuneResult:
                 state = "its whole space measured before" if t.space_exhausted else "at budget before"
             else:
                 state = f"+{t.new_trials}" + (", its whole space measured" if t.space_exhausted else "")
+            if t.search_error:
+                state += f", search failed: {t.search_error}"
+            elif t.out_of_time:
+                state += ", not searched: the time budget ran out"
             count = f"{t.trials}" if self.time_budget_s is not None else f"{t.trials}/{t.budget}"
             line = f"  {t.name}: {count} trials ({state}), best {best}"
             if t.default_us is not None:
@@ -272,20 +276,40 @@ def tune(
         search.budget_end = deadline
         weights = [_task_cost(t) for t in tasks]
         try:
+            searched = 0
+            reserve_s = VERIFY_RESERVE_S if check_default else 0.0
             for i, (task, summary) in enumerate(zip(tasks, summaries)):
                 if summary.done:
                     continue
                 stop.check()
-                load_tensor_intrinsics()  # TuneContext imports them; only when there is work
                 task_deadline = None
                 if deadline is not None:
+                    # the budget pays for this task's search and for checking each searched task
+                    # against its default afterwards; with nothing left, later tasks keep theirs
+                    spare = deadline - time.time() - reserve_s * (searched + 1)
+                    if spare <= 0:
+                        summary.out_of_time = True
+                        continue
                     left = [j for j in range(i, len(tasks)) if not summaries[j].done]
-                    share = weights[i] / sum(weights[j] for j in left)
-                    spare = deadline - time.time() - VERIFY_RESERVE_S * len(left)
-                    task_deadline = time.time() + max(spare, 0.0) * share
-                search.run(task, summary, f"{i + 1}/{len(tasks)}", task_deadline)
+                    task_deadline = time.time() + spare * weights[i] / sum(weights[j] for j in left)
+                load_tensor_intrinsics()  # TuneContext imports them; only when there is work
+                searched += 1
+                try:
+                    search.run(task, summary, f"{i + 1}/{len(tasks)}", task_deadline)
+                except Exception as err:  # one task's search failing must not end the others'
+                    summary.search_error = f"{type(err).__name__}: {last_line(err)}"
+                    say(
+                        f"{summary.name}: the search failed ({summary.search_error}); its default schedule is kept"
+                    )
                 if on_task_done is not None:
                     on_task_done(summary)
+            if any(s.out_of_time for s in summaries):
+                late = [s.name for s in summaries if s.out_of_time]
+                say(
+                    f"the time budget ran out before {len(late)} task(s) were searched ({', '.join(late[:5])}"
+                    f"{', ...' if len(late) > 5 else ''}): they keep their default schedules; tune again "
+                    "(with more --minutes) to go on where this run stopped"
+                )
             bar.close()
             if check_default:
                 tuned = [(t, s) for t, s in zip(tasks, summaries) if s.best_us is not None]

@@ -48,6 +48,8 @@ class TaskSummary:
     default_us: float | None = None  # default schedule, timed side by side with tuned_us
     tuned_us: float | None = None  # best record re-timed next to the default
     default_hash: str | None = None  # fingerprint of the default schedule timed (defaults.py)
+    search_error: str | None = None  # this run's search failed (the default schedule is kept)
+    out_of_time: bool = False  # not searched this run: the time budget was spent before its turn
 
     @property
     def new_trials(self) -> int:
@@ -137,6 +139,31 @@ class SearchSettings:
     seed: int = 0
 
 
+def stock_space(mod, target):
+    """Meta-Schedule's own design space for a kernel no rule of ours has knobs for.
+
+    On CUDA, TVM 0.27's default rules fail together on some kernels (MultiLevelTiling + AutoInline
+    + CrossThreadReduction: "Index 6 out of bounds 6" on a layer norm fused in front of a matmul,
+    BERT's QKV and FFN kernels); each rule alone and every pair works. Such a kernel is searched
+    without CrossThreadReduction (its reductions are then bound like any other loop nest)."""
+    if target.kind.name != "cuda":
+        return "post-order-apply"
+    try:
+        ms.TuneContext(mod=mod, target=target, space_generator="post-order-apply").generate_design_space()
+        return "post-order-apply"
+    except Exception:
+        pass
+    return ms.space_generator.PostOrderApply(
+        sch_rules=[
+            r
+            for r in ms.ScheduleRule.create("cuda")
+            if not isinstance(r, ms.schedule_rule.CrossThreadReduction)
+        ],
+        postprocs=ms.Postproc.create("cuda"),
+        mutator_probs=ms.Mutator.create("cuda"),
+    )
+
+
 class TaskSearch:
     """Tunes tasks one at a time into ``rset``, saving after every measured batch."""
 
@@ -190,7 +217,7 @@ class TaskSearch:
             strategy = RuleSpaceSearch(space, self.progress, self.settings.seed + summary.trials)
         else:
             self._seed(database, summary.workload_key)
-            generator = "post-order-apply"
+            generator = stock_space(task_mod, self.target)
             strategy = ms.search_strategy.EvolutionarySearch(population_size=self.settings.population_size)
         finished = True
         try:
