@@ -37,6 +37,7 @@ import zoo  # noqa: E402  (scripts/zoo.py: the model list, feeds and exporters)
 
 REL_TOL = zoo.REL_TOL
 QUICK_MODELS = ["resnet18", "mobilenet_v3_small", "distilbert"]
+NOTES_MARKER = "<!-- notes below are kept when gpu_check.py rewrites the table -->"
 
 
 def gpu_arch() -> str | None:
@@ -295,7 +296,9 @@ def write_report(path: Path, header: dict, rows: dict, tuned: dict | None) -> No
                 "```",
             ]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    old = path.read_text() if path.exists() else ""
+    notes = old[old.index(NOTES_MARKER) :] if NOTES_MARKER in old else ""  # hand-written, kept
+    path.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
     # the raw rows beside the table, for scripts (and for a run cut short)
     raw = {"header": header, "rows": rows, "tuned": tuned}
     path.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
