@@ -437,6 +437,7 @@ def test_tune_model_records_are_used_by_the_real_build(ms_ready, cpu, tmp_path):
         num_trials_per_iter=2,
         population_size=32,
         progress=False,
+        in_model=False,  # the side-by-side check alone (the in-model one: its own test below)
     )
     assert [t.trials for t in res.tasks] == [2, 2] and res.new_trials == 4
     text = str(res)
@@ -472,7 +473,7 @@ def test_tune_model_records_are_used_by_the_real_build(ms_ready, cpu, tmp_path):
     # Same budget again: nothing is measured, nothing re-timed, the record files stay as they were.
     before = _files(res.record_dir)
     again = tuning.tune_model(
-        imported, cpu, trials=4, log_root=tmp_path, options={"layout": True}, progress=False
+        imported, cpu, trials=4, log_root=tmp_path, options={"layout": True}, progress=False, in_model=False
     )
     assert again.new_trials == 0 and all(t.skipped for t in again.tasks)
     after = _files(res.record_dir)
@@ -536,6 +537,51 @@ def test_interrupted_tuning_resumes_without_redoing_trials(ms_ready, cpu, tmp_pa
         rtol=1e-5,
         atol=1e-5,
     )
+
+
+def test_in_model_check_applies_the_record_fastest_in_the_model(ms_ready, cpu, tmp_path, monkeypatch):
+    """After the search, each task's best records are built into the model and timed there; the
+    one fastest *in the model* is applied (not the fastest alone), only if it beats the default
+    there, and only while the task has no newer trials. Times are made up here (the real ones
+    come from the VM's instrumentation) so that the choice is known."""
+    from tvm_fusion.tuning import in_model
+
+    model = _tiny_model((16, 32, 16))
+    calls = []
+
+    def made_up_times(vm, args, device, kernels):
+        variant = len(calls) % 4  # variants are timed in turn: default, then records #1..#3
+        calls.append(variant)
+        keys = sorted(set(kernels.values()))
+        # first task: record #2 wins in the model; second task: nothing beats the default there
+        return {keys[0]: [100.0, 99.0, 80.0, 90.0][variant], keys[1]: [100.0, 99.0, 98.0, 120.0][variant]}
+
+    monkeypatch.setattr(in_model, "_workload_times", made_up_times)
+    res = tuning.tune_model(
+        model, cpu, name="tiny2", trials=8, log_root=tmp_path, num_trials_per_iter=4, progress=False
+    )
+    assert len(calls) == 4 * in_model.ROUNDS
+    rset = tuning.read_record_set(res.record_dir)
+    keys = sorted(t.workload_key for t in res.tasks)
+    first, second = (next(t for t in res.tasks if t.workload_key == k) for k in keys)
+    assert first.in_model["tuned_us"] == 80.0 and first.in_model["default_us"] == 100.0 and first.applied
+    assert second.in_model["trace"] is None and not second.applied
+    assert "in the model: tuned 80.00 us vs default 100.00 us -> tuned schedule used" in str(res)
+    chosen = in_model.best_records(rset, keys[0], 3)[1]  # the second fastest alone
+    applied = res.database.get_all_tuning_records()
+    assert [tuning.trace_id(r) for r in applied] == [tuning.trace_id(chosen)]  # nothing of task 2
+    built = tvm_fusion.build(model, cpu, name="tiny2", tuning_logs=tmp_path)
+    assert built.tuned_kernels == 1
+    feeds = models.random_inputs(model)
+    np.testing.assert_allclose(
+        run_executable(built.executable, feeds), ort_run(model, feeds), rtol=1e-4, atol=1e-4
+    )
+    # more trials later: the verdict no longer speaks for the records (back to the alone check)
+    manifest = json.loads((res.record_dir / tuning.MANIFEST_FILE).read_text())
+    manifest["tasks"][keys[0]]["in_model"]["trials"] -= 1
+    (res.record_dir / tuning.MANIFEST_FILE).write_text(json.dumps(manifest))
+    skipped, _ = tuning.slower_than_default(tuning.read_record_set(res.record_dir), cpu)
+    assert "in the model" not in skipped.get(keys[0], "")
 
 
 @pytest.mark.slow

@@ -225,7 +225,14 @@ def test_tuning_measures_winograd_kernels_and_the_build_uses_the_choice(tmp_path
     tuning.load_tensor_intrinsics()
     model = _conv_model(32, 64, 14, 1, "relu")
     res = tuning.tune_model(
-        model, ZNVER3, trials=6, log_root=tmp_path, name="wconv", num_trials_per_iter=2, progress=False
+        model,
+        ZNVER3,
+        trials=6,
+        log_root=tmp_path,
+        name="wconv",
+        num_trials_per_iter=2,
+        progress=False,
+        in_model=False,  # the algorithm choice is the point here
     )
     assert len(res.tasks) == 3 and all(t.trials == 2 and t.best_us for t in res.tasks)  # direct, F(2), F(4)
     manifest = json.loads((res.record_dir / tuning.MANIFEST_FILE).read_text())

@@ -131,6 +131,7 @@ def cmd_tune(args) -> int:
         max_trials_per_task=args.trials_per_task,
         options=_pipeline_options(args),
         verify_again=args.verify_again,
+        in_model=not args.no_in_model,
     )
     print(result)
     if args.measure:
@@ -271,6 +272,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--verify-again",
         action="store_true",
         help="re-time each kernel's best record against its default schedule (after a run on a busy machine)",
+    )
+    t.add_argument(
+        "--no-in-model",
+        action="store_true",
+        help="choose each kernel's record by its time alone, not inside the whole model (skips the "
+        "check's extra builds of the model)",
     )
     t.set_defaults(func=cmd_tune)
 

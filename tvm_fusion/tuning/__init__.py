@@ -39,6 +39,7 @@ from .records import (
     record_dir,
     safe_folder_name,
     slower_than_default,
+    trace_id,
     workload_key,
 )
 from .rule_space import RuleSpace, RuleSpaceSearch, rule_space
@@ -80,6 +81,7 @@ __all__ = [
     "rule_space",
     "safe_folder_name",
     "slower_than_default",
+    "trace_id",
     "split_budget",
     "tune",
     "tune_model",

@@ -28,6 +28,7 @@ from ..targets import parse_target
 from .conv_algorithms import alternative_modules, choose_algorithms
 from .environment import check_environment, load_tensor_intrinsics
 from .fleet import parse_rpc
+from .in_model import check_in_model
 from .records import (
     RecordLock,
     RecordSet,
@@ -80,9 +81,14 @@ class TuneResult:
                 state += ", not searched: the time budget ran out"
             count = f"{t.trials}" if self.time_budget_s is not None else f"{t.trials}/{t.budget}"
             line = f"  {t.name}: {count} trials ({state}), best {best}"
-            if t.default_us is not None:
+            verdict = "tuned schedule used" if t.applied else "default schedule kept"
+            if t.in_model is not None:
+                line += (
+                    f"; in the model: tuned {t.in_model['tuned_us']:.2f} us vs default "
+                    f"{t.in_model['default_us']:.2f} us -> {verdict}"
+                )
+            elif t.default_us is not None:
                 tuned = "n/a" if t.tuned_us is None else f"{t.tuned_us:.2f} us"
-                verdict = "tuned schedule used" if t.applied else "default schedule kept"
                 line += f"; side by side: tuned {tuned} vs default {t.default_us:.2f} us -> {verdict}"
             lines.append(line)
         used = sum(1 for t in self.tasks if t.applied)
@@ -401,13 +407,16 @@ def tune_model(
     options: dict | None = None,
     log_root: str | os.PathLike = "tuning_logs",
     name: str | None = None,
+    in_model: bool = True,
     **tune_kwargs,
 ) -> TuneResult:
     """Import (if needed), fuse with the build's own passes and tune a model; ``str(result)`` is
     a per-kernel summary. ``policy``/``options`` must be what the build will get (they shape the
     fused kernels). Other keywords go to :func:`tune` (``rpc``, ``max_trials_per_task``,
-    ``num_trials_per_iter``, ``progress``, ...). ``tvm_fusion.benchmark.measure_speedup`` then
-    times the tuned build against the untuned one."""
+    ``num_trials_per_iter``, ``progress``, ...). With ``in_model`` (measuring on this machine),
+    each task's best few records are then timed inside the whole model and the one fastest there
+    is applied, if it beats the default there (``in_model.py``; 1 + ``CANDIDATES`` builds).
+    ``tvm_fusion.benchmark.measure_speedup`` then times the tuned build against the untuned one."""
     target = parse_target(target)
     imported = as_imported(source, name)
     dims = symbolic_dims(imported.mod)
@@ -422,7 +431,7 @@ def tune_model(
         tune_kwargs["alternatives"] = alternative_modules(
             imported.mod, target, policy, name=imported.name, **(options or {})
         )
-    return tune(
+    result = tune(
         mod,
         target,
         model_name=imported.name,
@@ -431,3 +440,31 @@ def tune_model(
         log_root=log_root,
         **tune_kwargs,
     )
+    if in_model and tune_kwargs.get("check_default", True) and tune_kwargs.get("rpc") is None:
+        _check_in_model(result, imported, target, mod, policy, options, tune_kwargs)
+    return result
+
+
+def _check_in_model(result: TuneResult, imported, target, mod, policy, options, tune_kwargs) -> None:
+    """Choose each task's record in the model (``in_model.py``) and update ``result`` to match."""
+    if not any(t.best_us is not None for t in result.tasks):
+        return
+    say = tune_kwargs.get("log") or (
+        (lambda msg: print(msg, file=sys.stderr)) if tune_kwargs.get("progress", True) else None
+    )
+    start = time.time()
+    verdicts = check_in_model(
+        imported,
+        target,
+        result.record_dir,
+        extract_tasks(mod, target),
+        policy=policy,
+        options=options,
+        say=say,
+    )
+    for summary in result.tasks:
+        summary.in_model = verdicts.get(summary.workload_key, summary.in_model)
+    rset = read_record_set(result.record_dir)
+    skipped, _ = slower_than_default(rset, target)
+    result.database = rset.to_database(exclude=skipped)
+    result.elapsed_s += time.time() - start

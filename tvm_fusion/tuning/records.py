@@ -198,8 +198,18 @@ class RecordSet:
             for wl in self.workloads
             if (key := workload_key(wl.mod)) not in exclude
         }
+        trials = self.trials_by_workload()
+        tasks = self.manifest.get("tasks", {})
+        chosen = {
+            key: verdict["trace"]
+            for key in committed
+            if (verdict := in_model_verdict(tasks.get(key, {}), trials.get(key, 0))) and verdict.get("trace")
+        }
         for rec in self.records:
-            wl = committed.get(workload_key(rec.workload.mod))
+            key = workload_key(rec.workload.mod)
+            wl = committed.get(key)
+            if key in chosen and trace_id(rec) != chosen[key]:
+                continue  # the record chosen in the model is the one applied, not the fastest alone
             if wl is not None:
                 db.commit_tuning_record(
                     ms.database.TuningRecord(rec.trace, wl, rec.run_secs, rec.target, rec.args_info)
@@ -221,6 +231,21 @@ class RecordSet:
         write_text_atomic(self.path / WORKLOAD_FILE, "".join(line + "\n" for line in wl_lines))
         write_text_atomic(self.path / RECORD_FILE, "".join(line + "\n" for line in rec_lines))
         write_text_atomic(self.path / MANIFEST_FILE, json.dumps(self.manifest, indent=2) + "\n")
+
+
+def trace_id(rec) -> str:
+    """A short stable name for a record's schedule (its trace, decisions included)."""
+    text = json.dumps(_plain_json(rec.trace.as_json()), separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def in_model_verdict(entry: dict, trials: int) -> dict | None:
+    """A task's in-model verdict (``in_model.py``) while it still speaks for its records: made
+    at the task's current trial count (a resumed search may have found better ones since)."""
+    verdict = entry.get("in_model")
+    if isinstance(verdict, dict) and verdict.get("trials") == trials:
+        return verdict
+    return None
 
 
 def _record_json(rec) -> list:
@@ -539,16 +564,25 @@ def slower_than_default(
             if trials.get(key, 0):
                 skipped[key] = f"{name}: every trial failed"
             continue  # no records at all: nothing to apply
-        default_us = entry.get("default_us")
-        if default_us is None:
-            unchecked.append(name)
-            continue
-        tuned_us = entry.get("tuned_us")
-        if tuned_us is None or entry.get("verified_trials") != trials.get(key, 0):
-            tuned_us = best[key] * 1e6
-        if not beats_default(tuned_us, default_us):
-            skipped[key] = f"{name}: tuned {float(tuned_us):.2f} us vs default {float(default_us):.2f} us"
-            continue
+        verdict = in_model_verdict(entry, trials.get(key, 0))
+        if verdict is not None:  # timed inside the model: that decides
+            if not verdict.get("trace"):
+                skipped[key] = (
+                    f"{name}: in the model, tuned {float(verdict['tuned_us']):.2f} us vs default "
+                    f"{float(verdict['default_us']):.2f} us"
+                )
+                continue
+        else:
+            default_us = entry.get("default_us")
+            if default_us is None:
+                unchecked.append(name)
+                continue
+            tuned_us = entry.get("tuned_us")
+            if tuned_us is None or entry.get("verified_trials") != trials.get(key, 0):
+                tuned_us = best[key] * 1e6
+            if not beats_default(tuned_us, default_us):
+                skipped[key] = f"{name}: tuned {float(tuned_us):.2f} us vs default {float(default_us):.2f} us"
+                continue
         # last: fingerprinting schedules the default, so only records that would be applied pay it
         stored = entry.get("default_hash")
         if (

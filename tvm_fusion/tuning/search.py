@@ -50,6 +50,7 @@ class TaskSummary:
     default_hash: str | None = None  # fingerprint of the default schedule timed (defaults.py)
     search_error: str | None = None  # this run's search failed (the default schedule is kept)
     out_of_time: bool = False  # not searched this run: the time budget was spent before its turn
+    in_model: dict | None = None  # its records and the default timed inside the model (in_model.py)
 
     @property
     def new_trials(self) -> int:
@@ -62,6 +63,8 @@ class TaskSummary:
     @property
     def applied(self) -> bool | None:
         """Whether the build will use the tuned schedule (None: not compared with the default)."""
+        if self.in_model is not None:
+            return bool(self.in_model.get("trace"))
         if self.default_us is None:
             return None if self.best_us is not None else False
         return beats_default(self.tuned_us if self.tuned_us is not None else self.best_us, self.default_us)
