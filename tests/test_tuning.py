@@ -558,7 +558,14 @@ def test_in_model_check_applies_the_record_fastest_in_the_model(ms_ready, cpu, t
 
     monkeypatch.setattr(in_model, "_workload_times", made_up_times)
     res = tuning.tune_model(
-        model, cpu, name="tiny2", trials=8, log_root=tmp_path, num_trials_per_iter=4, progress=False
+        model,
+        cpu,
+        name="tiny2",
+        trials=8,
+        log_root=tmp_path,
+        num_trials_per_iter=4,
+        progress=False,
+        in_model=True,
     )
     assert len(calls) == 4 * in_model.ROUNDS
     rset = tuning.read_record_set(res.record_dir)

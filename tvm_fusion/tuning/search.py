@@ -194,12 +194,15 @@ class TaskSearch:
         self.pending: BaseException | None = None  # raised in a callback, on its way through C++
         self.deadline: float | None = None
         self.budget_end: float | None = None  # the whole run's time budget, for the progress bar
+        self._batch_start = time.time()
+        self._measured_s, self._measured_n = 0.0, 0  # wall time and candidates of this run's batches
 
     def run(self, task, summary: TaskSummary, position: str, deadline: float | None = None) -> None:
         """Search until the task's budget is measured (or ``deadline``, a ``time.time()``, passes),
         saving as it goes: over our rule's decisions when a rule with knobs schedules the kernel
         (:mod:`.rule_space`), else Meta-Schedule's own space."""
         self.deadline = deadline
+        self._batch_start = time.time()
         database = ms.database.MemoryDatabase()
         # what is on disk and will not be in the database: every record but the Meta-Schedule
         # search's own, which seed its database below
@@ -261,7 +264,16 @@ class TaskSearch:
             entry["space_measured"] = self.progress.done()
         self.save()
 
+    @property
+    def seconds_per_trial(self) -> float | None:
+        """Wall time per measured candidate so far in this run (build + run), None before any."""
+        return self._measured_s / self._measured_n if self._measured_n else None
+
     def _batch_done(self, summary: TaskSummary, count: int, position: str = "") -> None:
+        now = time.time()
+        self._measured_s += now - self._batch_start
+        self._measured_n += count
+        self._batch_start = now
         self.bar.update(count)
         if position:
             best = f"{summary.best_us:.2f}us" if summary.best_us is not None else "n/a"
