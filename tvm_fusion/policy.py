@@ -97,6 +97,14 @@ DEFAULT_VERTICAL: dict[str, list[str]] = {
     "reduce": ELEMENTWISE + ["view", "injective", "slice"],
 }
 
+# Pairs a target's schedules cannot take, left out of ``vertical`` on that target (unless a
+# policy sets ``target_exclusions`` false). On CUDA, dlight's Matmul rule declines a GEMM with a
+# normalisation fused in front (the norm's row reductions), and the kernel falls to a generic rule
+# without shared-memory tiling: ViT's pre-norm FFN (`fused_layer_norm_matmul_add_gelu`, 197x768 ->
+# 3072) was the only GEMM of the zoo without it, and ViT the zoo's slowest model against PyTorch on
+# an H200 (2.96x; BERT, whose layer norm feeds a residual too and so stays apart, 0.98x).
+TARGET_EXCLUSIONS: dict[str, dict[str, list[str]]] = {"cuda": {"norm": ["gemm"]}}
+
 # Rough FLOPs per output element, for the cost model. Anything unlisted counts 1.
 FLOPS_PER_ELEMENT: dict[str, float] = {
     "nn.gelu": 14,
@@ -226,6 +234,7 @@ class FusionPolicy:
     roofline: Roofline | None = None  # None: the preset for the build target
     horizontal: bool = True
     attention: bool = True
+    target_exclusions: bool = True  # leave out the pairs TARGET_EXCLUSIONS names for the target
 
     def __post_init__(self):
         self.validate()
@@ -294,6 +303,16 @@ class FusionPolicy:
                 return cls_name
         return None
 
+    def for_target(self, target) -> FusionPolicy:
+        """This policy as it applies on ``target``: without the pairs the target's schedules
+        cannot take (``TARGET_EXCLUSIONS``), unless ``target_exclusions`` is false."""
+        kind = getattr(getattr(target, "kind", None), "name", "llvm")
+        excluded = TARGET_EXCLUSIONS.get(kind, {}) if self.target_exclusions else {}
+        if not any(c in self.vertical.get(p, ()) for p, cs in excluded.items() for c in cs):
+            return self
+        vertical = {p: [c for c in cs if c not in excluded.get(p, ())] for p, cs in self.vertical.items()}
+        return self.replace(vertical=vertical)
+
     def allows(self, producer_class: str | None, consumer_class: str | None) -> bool:
         if producer_class is None or consumer_class is None:
             return False
@@ -338,6 +357,7 @@ POLICY_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "roofline": (lambda v: v is None or isinstance(v, Roofline), "null or a roofline object"),
     "horizontal": (_is_bool, "true or false"),
     "attention": (_is_bool, "true or false"),
+    "target_exclusions": (_is_bool, "true or false"),
 }
 
 ROOFLINE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {

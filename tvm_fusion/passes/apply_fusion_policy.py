@@ -286,8 +286,8 @@ def explain(mod: tvm.IRModule, policy: FusionPolicy | dict | None = None, target
 
 
 def plan_module(mod: tvm.IRModule, policy=None, target=None) -> list[FusionReport]:
-    policy = FusionPolicy.coerce(policy)
     target = _target_or_current(target)
+    policy = FusionPolicy.coerce(policy).for_target(target)
     planner = FusionPlanner(policy, policy.roofline or Roofline.for_target(target))
     return [planner.plan(gvar.name_hint, func) for gvar, func in _planned_functions(mod)]
 
