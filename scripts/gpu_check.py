@@ -4,13 +4,15 @@
     python scripts/gpu_check.py               # the zoo (one exporter), ~10 min on an H200 machine
     python scripts/gpu_check.py --quick       # 3 models and a shorter tuning run, ~3 min
     python scripts/gpu_check.py --build-only  # no GPU needed: build + export for CUDA only
+    python scripts/gpu_check.py --models vit_b_16,bert --tune-minutes 3   # + a whole model tuned
 
 For each model (``scripts/zoo.py``'s list; the cached ``<cache>/<model>.<exporter>.onnx`` files, or
 exported on the spot when torch is installed, else the bundled example models): build with
 tvm_fusion for the GPU's arch (builds run in parallel worker processes), export, load the ``.so``
 and run it on the GPU, compare with ONNX Runtime (max |err| / max |ref| <= 1e-4), time both
 (ORT on its CUDA provider when it has one, else on the CPU: the table says which), then tune one
-kernel (a BERT-sized GEMM) briefly and time the tuned against the default schedule. Writes
+kernel (a BERT-sized GEMM) briefly and time the tuned against the default schedule; with
+``--tune-minutes``, tune a bundled model (``--tune-model``) and time it tuned vs untuned. Writes
 docs/cuda.md (``--out``) after every stage, so a run cut short still leaves what it measured.
 
 Without a GPU it stops at once with one ``error:`` line and exit status 2 (unless --build-only).
@@ -241,6 +243,31 @@ def tune_one_kernel(target: dict, trials: int, log_root: str, time_budget_s: flo
     return {"seconds": round(time.perf_counter() - start, 1), "trials": trials, "summary": str(result)}
 
 
+def tune_whole_model(name: str, target: dict, minutes: float, log_root: str) -> dict:
+    """``tvm-fusion tune NAME --minutes M --measure`` on the GPU: does tuning pay for a model?"""
+    from tvm_fusion import tuning
+    from tvm_fusion.benchmark import measure_speedup
+
+    start = time.perf_counter()
+    result = tuning.tune_model(
+        name,
+        target,
+        trials=1_000_000,
+        time_budget_s=minutes * 60,
+        name=name,
+        log_root=log_root,
+        progress=False,
+    )
+    speedup = measure_speedup(name, target, tuning_logs=log_root)
+    return {
+        "model": name,
+        "minutes": minutes,
+        "seconds": round(time.perf_counter() - start, 1),
+        "summary": str(result),
+        "speedup": str(speedup),
+    }
+
+
 # -- report ---------------------------------------------------------------------------------------
 def write_report(path: Path, header: dict, rows: dict, tuned: dict | None) -> None:
     import tvm
@@ -295,6 +322,22 @@ def write_report(path: Path, header: dict, rows: dict, tuned: dict | None) -> No
                 tuned["summary"],
                 "```",
             ]
+        whole = tuned.get("whole_model")
+        if whole:
+            lines += [
+                "",
+                f"## Tuning a whole model ({whole.get('model')}, `--minutes {whole.get('minutes')}`)",
+                "",
+            ]
+            if whole.get("error"):
+                lines.append(f"failed: `{whole['error']}`")
+            else:
+                lines += [
+                    f"{whole['seconds']} s, tuning and the interleaved tuned/untuned timing:",
+                    "",
+                    "```",
+                ]
+                lines += [whole["speedup"], "", whole["summary"], "```"]
     path.parent.mkdir(parents=True, exist_ok=True)
     old = path.read_text() if path.exists() else ""
     notes = old[old.index(NOTES_MARKER) :] if NOTES_MARKER in old else ""  # hand-written, kept
@@ -321,6 +364,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=540, help="seconds for the whole run (default 540)")
     p.add_argument("--trials", type=int, default=None, help="tuning trials for the one kernel (default 64)")
     p.add_argument("--runs", type=int, default=50, help="timed runs per side (default 50)")
+    p.add_argument(
+        "--tune-model",
+        default="bert_layer",
+        help="bundled example to tune whole after the one kernel, when the budget allows (default bert_layer)",
+    )
+    p.add_argument(
+        "--tune-minutes", type=float, default=0, help="its tuning budget in minutes (default 0: not tuned)"
+    )
     p.add_argument("--out", type=Path, default=zoo.REPO / "docs" / "cuda.md")
     return p
 
@@ -403,6 +454,17 @@ def main(argv=None) -> int:
         except Exception as err:
             tuned = {"error": zoo._one_line(err)}
         print(json.dumps(tuned)[:2000], flush=True)
+        write_report(args.out, header, rows, tuned)
+        left = deadline - time.monotonic()
+        if args.tune_minutes and left > args.tune_minutes * 60 + 60:  # + the two builds and timing
+            try:
+                whole = tune_whole_model(
+                    args.tune_model, target, args.tune_minutes, str(workdir / "tuning_logs")
+                )
+            except Exception as err:
+                whole = {"model": args.tune_model, "minutes": args.tune_minutes, "error": zoo._one_line(err)}
+            tuned["whole_model"] = whole
+            print(json.dumps(whole)[:3000], flush=True)
     else:
         tuned = {"error": f"skipped: {left:.0f} s of the time budget left"}
     write_report(args.out, header, rows, tuned)

@@ -71,10 +71,10 @@ def kernel_workloads(unscheduled: tvm.IRModule, tasks: list) -> dict[str, str]:
 def _workload_times(vm, args, device, kernels: dict[str, str]) -> dict[str, float]:
     """µs per inference spent in each workload's kernels (all their call sites)."""
     times: dict[str, float] = {}
-    for name, ms_, _launches in kernel_times(vm, args, repeat=REPEAT, device=device):
+    for name, ms, _launches in kernel_times(vm, args, repeat=REPEAT, device=device):
         key = kernels.get(name.removesuffix("_prepacked"))
         if key is not None:
-            times[key] = times.get(key, 0.0) + ms_ * 1e3
+            times[key] = times.get(key, 0.0) + ms * 1e3
     return times
 
 
@@ -85,6 +85,8 @@ def check_in_model(imported, target, record_dir, tasks, *, policy=None, options=
     from ..api import build
     from ..pipeline import unscheduled_module
 
+    if imported.onnx_model is None:
+        return {}  # a Relax module without an ONNX model: no inputs to time it with
     options = dict(options or {})
     with RecordLock(record_dir):
         rset = read_record_set(record_dir)
@@ -99,10 +101,7 @@ def check_in_model(imported, target, record_dir, tasks, *, policy=None, options=
     depth = max(len(c) for c in candidates.values())
     picks = [{}] + [{k: c[j] for k, c in candidates.items() if j < len(c)} for j in range(depth)]
     device = device_for(target)
-    feeds = models.random_inputs(imported.onnx_model) if imported.onnx_model is not None else None
-    if feeds is None:
-        return {}  # a Relax module without an ONNX model: no inputs to time it with
-    args = [tvm.runtime.tensor(v, device) for v in feeds.values()]
+    args = [tvm.runtime.tensor(v, device) for v in models.random_inputs(imported.onnx_model).values()]
     vms = []
     for i, pick in enumerate(picks):
         if say is not None:
