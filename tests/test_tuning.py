@@ -43,6 +43,20 @@ def _fused(model, target):
     return imported, unscheduled_module(imported.mod, target)
 
 
+def _tune_quietly(imported, mod, target, log_root, **kw):
+    """``tuning.tune`` of a fused module, 2 candidates per batch, no progress bar."""
+    kw.setdefault("num_trials_per_iter", 2)
+    return tuning.tune(
+        mod,
+        target,
+        model_name=imported.name,
+        model_hash=imported.model_hash,
+        log_root=log_root,
+        progress=False,
+        **kw,
+    )
+
+
 def _set_task_fields(path: Path, **fields):
     """Edit every task entry of a record folder's manifest (fabricated timings)."""
     mpath = path / tuning.MANIFEST_FILE
@@ -636,18 +650,7 @@ def test_a_failing_task_search_keeps_its_default_and_the_others_go_on(ms_ready, 
 
     monkeypatch.setattr(search.TaskSearch, "run", run)
     said = []
-    res = tuning.tune(
-        mod,
-        cpu,
-        model_name=imported.name,
-        model_hash=imported.model_hash,
-        log_root=tmp_path,
-        progress=False,
-        trials=4,
-        num_trials_per_iter=2,
-        check_default=False,
-        log=said.append,
-    )
+    res = _tune_quietly(imported, mod, cpu, tmp_path, trials=4, check_default=False, log=said.append)
     by_name = {t.name: t for t in res.tasks}
     assert by_name[failed[0]].search_error == "RuntimeError: Index 6 out of bounds 6"
     assert by_name[failed[0]].trials == 0
@@ -666,19 +669,8 @@ def test_a_spent_time_budget_starts_no_more_tasks(ms_ready, cpu, tmp_path, monke
     model = _tiny_model((16, 32, 16))
     imported, mod = _fused(model, cpu)
     said = []
-    res = tuning.tune(
-        mod,
-        cpu,
-        model_name=imported.name,
-        model_hash=imported.model_hash,
-        log_root=tmp_path,
-        progress=False,
-        trials=10_000,
-        num_trials_per_iter=2,
-        check_default=True,  # the check against the default is what the budget cannot pay for
-        time_budget_s=30,
-        log=said.append,
-    )
+    # the check against the default (check_default) is what the budget cannot pay for
+    res = _tune_quietly(imported, mod, cpu, tmp_path, trials=10_000, time_budget_s=30, log=said.append)
     assert res.new_trials == 0
     assert all(t.out_of_time for t in res.tasks)
     assert "the time budget ran out before 2 task(s) were searched" in " ".join(said)
