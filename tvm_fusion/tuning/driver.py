@@ -34,6 +34,7 @@ from .records import (
     RecordSet,
     check_compatible,
     has_records,
+    in_model_verdict,
     new_manifest,
     read_record_set,
     record_dir,
@@ -161,6 +162,7 @@ def plan_tasks(rset: RecordSet, tasks: list, budgets: list[int]) -> list[TaskSum
                 best_us,
                 skipped=at_budget,
                 space_exhausted=at_budget and trials < budget,  # ended short of its budget before
+                in_model=in_model_verdict(entry, trials),
             )
         )
         rset.manifest["tasks"][key] = {
@@ -289,23 +291,25 @@ def tune(
                 stop.check()
                 task_deadline = None
                 if deadline is not None:
-                    # the budget pays for this task's search and for checking each searched task
-                    # against its default afterwards; with nothing left, later tasks keep theirs
-                    spare = deadline - time.time() - _verify_reserve_s(search, check_default) * (searched + 1)
-                    if spare <= 0:
+                    # the budget pays for each searched task's check against its default afterwards:
+                    # a task starts only if its own check fits, and its share of the search time is
+                    # what is left after the checks of every task still to come
+                    reserve = _verify_reserve_s(search, check_default)
+                    if deadline - time.time() <= reserve * (searched + 1):
                         summary.out_of_time = True
                         continue
                     left = [j for j in range(i, len(tasks)) if not summaries[j].done]
+                    spare = max(deadline - time.time() - reserve * (searched + len(left)), 0.0)
                     task_deadline = time.time() + spare * weights[i] / sum(weights[j] for j in left)
                 load_tensor_intrinsics()  # TuneContext imports them; only when there is work
                 searched += 1
                 try:
                     search.run(task, summary, f"{i + 1}/{len(tasks)}", task_deadline)
+                except (OSError, TvmFusionError):
+                    raise  # the record folder itself (disk full, unwritable): every task would fail
                 except Exception as err:  # one task's search failing must not end the others'
                     summary.search_error = f"{type(err).__name__}: {last_line(err)}"
-                    say(
-                        f"{summary.name}: the search failed ({summary.search_error}); its default schedule is kept"
-                    )
+                    say(f"{summary.name}: the search failed ({summary.search_error}); the next task goes on")
                 if on_task_done is not None:
                     on_task_done(summary)
             if any(s.out_of_time for s in summaries):
@@ -455,27 +459,31 @@ def tune_model(
         log_root=log_root,
         **tune_kwargs,
     )
-    if in_model and tune_kwargs.get("check_default", True) and tune_kwargs.get("rpc") is None:
-        _check_in_model(result, imported, target, mod, policy, options, tune_kwargs)
+    if in_model:
+        _check_in_model(result, imported, target, policy, options, tune_kwargs)
     return result
 
 
-def _check_in_model(result: TuneResult, imported, target, mod, policy, options, tune_kwargs) -> None:
+def _check_in_model(result: TuneResult, imported, target, policy, options, tune_kwargs) -> None:
     """Choose each task's record in the model (``in_model.py``) and update ``result`` to match."""
-    if not any(t.best_us is not None for t in result.tasks):
+    say = tune_kwargs.get("log") or (lambda msg: print(msg, file=sys.stderr))
+    if tune_kwargs.get("rpc") is not None:
+        why_not = "the records were measured on a fleet (the model cannot run here)"
+    elif not tune_kwargs.get("check_default", True):
+        why_not = "check_default is off"
+    elif imported.onnx_model is None:
+        why_not = "the model has no ONNX file to make inputs from"
+    elif not any(t.best_us is not None for t in result.tasks):
+        why_not = "no task has a record"
+    else:
+        why_not = None
+    if why_not:
+        say(f"in-model check skipped: {why_not}")
         return
-    say = tune_kwargs.get("log") or (
-        (lambda msg: print(msg, file=sys.stderr)) if tune_kwargs.get("progress", True) else None
-    )
     start = time.time()
+    progress = say if tune_kwargs.get("progress", True) else None
     verdicts = check_in_model(
-        imported,
-        target,
-        result.record_dir,
-        extract_tasks(mod, target),
-        policy=policy,
-        options=options,
-        say=say,
+        imported, target, result.record_dir, policy=policy, options=options, say=progress
     )
     for summary in result.tasks:
         summary.in_model = verdicts.get(summary.workload_key, summary.in_model)

@@ -23,6 +23,7 @@ from .. import models
 from ..profiling import kernel_times
 from ..targets import device_for
 from .records import MIN_GAIN, RecordLock, mean_secs, read_record_set, trace_id, workload_key
+from .tasks import extract_tasks
 
 CANDIDATES = 3  # the best records (timed alone) of each task that are tried in the model
 ROUNDS = 5  # timing rounds, the builds interleaved; a kernel's time is its fastest round
@@ -78,7 +79,7 @@ def _workload_times(vm, args, device, kernels: dict[str, str]) -> dict[str, floa
     return times
 
 
-def check_in_model(imported, target, record_dir, tasks, *, policy=None, options=None, say=None) -> dict:
+def check_in_model(imported, target, record_dir, *, policy=None, options=None, say=None) -> dict:
     """Build the default and ``CANDIDATES`` tuned variants of the model, time every tuned
     workload's kernels in each (interleaved, fastest of ``ROUNDS``), and write each task's
     verdict into the manifest. Returns ``{workload key: in_model entry}``."""
@@ -94,7 +95,8 @@ def check_in_model(imported, target, record_dir, tasks, *, policy=None, options=
     if rset.manifest.get("conv_algorithms") and "conv_algorithms" not in options:
         options["conv_algorithms"] = rset.manifest["conv_algorithms"]  # as the final build will
     unscheduled = unscheduled_module(imported.mod, target, policy, name=imported.name, **options)
-    kernels = kernel_workloads(unscheduled, tasks)
+    # the tasks of the module the build will run (the conv algorithms tuning chose included)
+    kernels = kernel_workloads(unscheduled, extract_tasks(unscheduled, target))
     candidates = {k: c for k in set(kernels.values()) if (c := best_records(rset, k, CANDIDATES))}
     if not candidates:
         return {}

@@ -40,7 +40,7 @@ from tvm.s_tir.meta_schedule import _ffi_api as ms_api
 from .. import __version__
 from ..errors import TuningRecordError, last_line
 from ..files import write_text_atomic
-from ..targets import target_json, target_key
+from ..targets import CUDA_DEFAULTS, target_json, target_key
 from .defaults import default_fingerprint
 from .environment import check_environment, load_tensor_intrinsics
 
@@ -402,9 +402,9 @@ def check_compatible(
         )
     if manifest.get("model_hash") != model_hash:
         problems.append(f"made for model hash {manifest.get('model_hash')}, this model is {model_hash}")
-    want = target_json(target)
-    if manifest.get("target") != want:
-        have = manifest.get("target") or {}
+    want = _without_implied(target_json(target))
+    if _without_implied(manifest.get("target") or {}) != want:
+        have = _without_implied(manifest.get("target") or {})
         diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
         problems.append(f"made for target {json.dumps(have, sort_keys=True)} (differs in {', '.join(diff)})")
     if manifest.get("tvm_version") != tvm.__version__:
@@ -412,6 +412,12 @@ def check_compatible(
     if manifest.get("device_key") != device_key:
         problems.append(f"measured on device key {manifest.get('device_key')}, not {device_key}")
     return problems
+
+
+def _without_implied(spec: dict) -> dict:
+    """A target's JSON without the attributes every target of its kind gets implied (CUDA's
+    ``max_shared_memory_per_block``, added to CUDA targets after records were made without it)."""
+    return {k: v for k, v in spec.items() if CUDA_DEFAULTS.get(k, object()) != v}
 
 
 def has_records(path: Path) -> bool:
