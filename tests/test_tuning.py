@@ -609,6 +609,14 @@ def test_in_model_check_applies_the_record_fastest_in_the_model(ms_ready, cpu, t
     np.testing.assert_allclose(
         run_executable(built.executable, feeds), ort_run(model, feeds), rtol=1e-4, atol=1e-4
     )
+    # a build reads only what it can apply (each workload's fastest and the chosen record), and
+    # counts the rest: the same trials, the same bests, the same record applied
+    lean = tuning.read_record_set(res.record_dir, for_build=True)
+    assert lean.trials_by_workload() == rset.trials_by_workload()
+    assert lean.best_by_workload() == rset.best_by_workload()
+    assert len(lean.records) <= 4 < len(rset.records)
+    db, _ = tuning.load_records(tmp_path, "tiny2", frontend.as_imported(model).model_hash, cpu)
+    assert [tuning.trace_id(r) for r in db.get_all_tuning_records()] == [tuning.trace_id(chosen)]
     # more trials later: a verdict no longer speaks for the records (back to the alone check)
     skipped, _ = tuning.slower_than_default(rset, cpu)
     assert "in the model" in skipped[keys[1]]
