@@ -600,7 +600,7 @@ def test_in_model_check_applies_the_record_fastest_in_the_model(ms_ready, cpu, t
     assert first.in_model["tuned_us"] == 80.0 and first.in_model["default_us"] == 100.0 and first.applied
     assert second.in_model["trace"] is None and not second.applied
     assert "in the model: tuned 80.00 us vs default 100.00 us -> tuned schedule used" in str(res)
-    chosen = in_model.best_records(rset, keys[0], 3)[1]  # the second fastest alone
+    chosen = rset.best_records(keys[0], 3)[1]  # the second fastest alone
     applied = res.database.get_all_tuning_records()
     assert [tuning.trace_id(r) for r in applied] == [tuning.trace_id(chosen)]  # nothing of task 2
     built = tvm_fusion.build(model, cpu, name="tiny2", tuning_logs=tmp_path)
@@ -611,10 +611,17 @@ def test_in_model_check_applies_the_record_fastest_in_the_model(ms_ready, cpu, t
     )
     # a build reads only what it can apply (each workload's fastest and the chosen record), and
     # counts the rest: the same trials, the same bests, the same record applied
-    lean = tuning.read_record_set(res.record_dir, for_build=True)
+    lean = tuning.read_record_set(res.record_dir, best_only=1)
     assert lean.trials_by_workload() == rset.trials_by_workload()
     assert lean.best_by_workload() == rset.best_by_workload()
     assert len(lean.records) <= 4 < len(rset.records)
+    three = tuning.read_record_set(res.record_dir, best_only=3)  # what the in-model check reads
+    for key in keys:
+        assert [tuning.trace_id(r) for r in three.best_records(key, 3)] == [
+            tuning.trace_id(r) for r in rset.best_records(key, 3)
+        ]
+    with pytest.raises(TuningRecordError, match="never saved"):
+        lean.save()  # it would drop every record it did not read
     db, _ = tuning.load_records(tmp_path, "tiny2", frontend.as_imported(model).model_hash, cpu)
     assert [tuning.trace_id(r) for r in db.get_all_tuning_records()] == [tuning.trace_id(chosen)]
     # more trials later: a verdict no longer speaks for the records (back to the alone check)

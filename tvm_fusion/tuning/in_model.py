@@ -22,7 +22,15 @@ import tvm_ffi
 from .. import models
 from ..profiling import kernel_times
 from ..targets import device_for
-from .records import MIN_GAIN, RecordLock, mean_secs, read_record_set, trace_id, workload_key
+from .records import (
+    MIN_GAIN,
+    RecordLock,
+    commit_records,
+    read_record_set,
+    set_task_fields,
+    trace_id,
+    workload_key,
+)
 from .tasks import extract_tasks
 
 CANDIDATES = 3  # the best records (timed alone) of each task that are tried in the model
@@ -30,30 +38,11 @@ ROUNDS = 5  # timing rounds, the builds interleaved; a kernel's time is its fast
 REPEAT = 10  # inferences per round
 
 
-def best_records(rset, key: str, count: int) -> list:
-    """The ``count`` fastest records of a workload (timed alone), one per distinct trace."""
-    timed = sorted(
-        ((s, r) for r in rset.records_of(key) if (s := mean_secs(r)) is not None), key=lambda x: x[0]
-    )
-    picked, seen = [], set()
-    for _, rec in timed:
-        if (tid := trace_id(rec)) not in seen:
-            seen.add(tid)
-            picked.append(rec)
-        if len(picked) == count:
-            break
-    return picked
-
-
 def _database(picks: dict):
     from tvm.s_tir import meta_schedule as ms
 
     db = ms.database.MemoryDatabase()
-    for rec in picks.values():
-        wl = db.commit_workload(rec.workload.mod)
-        db.commit_tuning_record(
-            ms.database.TuningRecord(rec.trace, wl, rec.run_secs, rec.target, rec.args_info)
-        )
+    commit_records(db, picks.values())
     return db
 
 
@@ -90,14 +79,14 @@ def check_in_model(imported, target, record_dir, *, policy=None, options=None, s
         return {}  # a Relax module without an ONNX model: no inputs to time it with
     options = dict(options or {})
     with RecordLock(record_dir):
-        rset = read_record_set(record_dir)
+        rset = read_record_set(record_dir, best_only=CANDIDATES)  # the candidates, the rest counted
     trials = rset.trials_by_workload()
     if rset.manifest.get("conv_algorithms") and "conv_algorithms" not in options:
         options["conv_algorithms"] = rset.manifest["conv_algorithms"]  # as the final build will
     unscheduled = unscheduled_module(imported.mod, target, policy, name=imported.name, **options)
     # the tasks of the module the build will run (the conv algorithms tuning chose included)
     kernels = kernel_workloads(unscheduled, extract_tasks(unscheduled, target))
-    candidates = {k: c for k in set(kernels.values()) if (c := best_records(rset, k, CANDIDATES))}
+    candidates = {k: c for k in set(kernels.values()) if (c := rset.best_records(k, CANDIDATES))}
     if not candidates:
         return {}
     depth = max(len(c) for c in candidates.values())
@@ -136,8 +125,5 @@ def check_in_model(imported, target, record_dir, *, policy=None, options=None, s
             "trials": trials.get(key, 0),
         }
     with RecordLock(record_dir):
-        rset = read_record_set(record_dir)  # a fresh read: only our field changes
-        for key, verdict in verdicts.items():
-            rset.manifest["tasks"].setdefault(key, {})["in_model"] = verdict
-        rset.save()
+        set_task_fields(record_dir, {key: {"in_model": verdict} for key, verdict in verdicts.items()})
     return verdicts

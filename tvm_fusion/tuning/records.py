@@ -96,11 +96,28 @@ def _now() -> str:
 
 def mean_secs(rec) -> float | None:
     """A record's mean run time, or None for a failed build/run."""
-    if rec.run_secs is None or len(rec.run_secs) == 0:
+    return _mean_run_secs(rec.run_secs)
+
+
+def _mean_run_secs(run_secs) -> float | None:
+    """:func:`mean_secs` of run times as a record holds them or as its JSON stores them."""
+    if run_secs is None or len(run_secs) == 0:
         return None
-    secs = [float(s) for s in rec.run_secs]
+    secs = [float(s) for s in run_secs]
     mean = sum(secs) / len(secs)
     return None if mean >= FAILED_RUN_SECS else mean
+
+
+def commit_records(db, records) -> None:
+    """Copy records into a Meta-Schedule database, each under its own workload."""
+    workloads: dict[str, Any] = {}
+    for rec in records:
+        key = workload_key(rec.workload.mod)
+        if key not in workloads:
+            workloads[key] = db.commit_workload(rec.workload.mod)
+        db.commit_tuning_record(
+            ms.database.TuningRecord(rec.trace, workloads[key], rec.run_secs, rec.target, rec.args_info)
+        )
 
 
 def is_search_record(rec) -> bool:
@@ -161,7 +178,7 @@ class RecordSet:
     manifest: dict
     workloads: list = dataclasses.field(default_factory=list)  # ms Workload, file order
     records: list = dataclasses.field(default_factory=list)  # ms TuningRecord
-    # trials per workload key when ``records`` holds only what a build applies (``for_build``)
+    # trials per workload key when ``records`` holds only the fastest few (``best_only``)
     trial_counts: dict[str, int] | None = None
 
     def workload_index(self) -> dict[str, int]:
@@ -189,8 +206,22 @@ class RecordSet:
         return best
 
     def best_record(self, key: str):
-        timed = [(s, r) for r in self.records_of(key) if (s := mean_secs(r)) is not None]
-        return min(timed, key=lambda x: x[0])[1] if timed else None
+        best = self.best_records(key, 1)
+        return best[0] if best else None
+
+    def best_records(self, key: str, count: int) -> list:
+        """The ``count`` fastest records of a workload, one per distinct schedule (trace)."""
+        timed = sorted(
+            ((s, r) for r in self.records_of(key) if (s := mean_secs(r)) is not None), key=lambda x: x[0]
+        )
+        picked, seen = [], set()
+        for _, rec in timed:
+            if len(picked) == count:
+                break
+            if (tid := trace_id(rec)) not in seen:
+                seen.add(tid)
+                picked.append(rec)
+        return picked
 
     def to_database(self, exclude: Iterable[str] = ()):
         """A fresh in-memory Meta-Schedule database holding these records (minus the workloads
@@ -222,6 +253,8 @@ class RecordSet:
 
     def save(self) -> None:
         """Atomically rewrite the three files (workloads, then records, then manifest)."""
+        if self.trial_counts is not None:  # writing it would drop every record it did not read
+            raise TuningRecordError(f"{self.path}: a record set read in part (best_only) is never saved")
         self.path.mkdir(parents=True, exist_ok=True)
         index = self.workload_index()
         wl_lines = [json.dumps(w.as_json(), separators=(",", ":")) for w in self.workloads]
@@ -313,6 +346,17 @@ _MANIFEST_FIELDS = {
 _REQUIRED = ("model_hash", "target")
 
 
+def set_task_fields(path: Path, fields: dict[str, dict]) -> None:
+    """Merge ``{workload key: {field: value}}`` into the manifest's task entries, atomically,
+    leaving the record files as they are (the caller holds the folder's :class:`RecordLock`)."""
+    mpath = Path(path) / MANIFEST_FILE
+    manifest = _check_manifest(json.loads(mpath.read_text(encoding="utf-8")), mpath)
+    for key, entry in fields.items():
+        manifest["tasks"].setdefault(key, {}).update(entry)
+    manifest["updated"] = _now()
+    write_text_atomic(mpath, json.dumps(manifest, indent=2) + "\n")
+
+
 def _check_manifest(manifest: Any, mpath: Path) -> dict:
     if not isinstance(manifest, dict):
         raise TuningRecordError(
@@ -336,12 +380,13 @@ def _check_manifest(manifest: Any, mpath: Path) -> dict:
     return manifest
 
 
-def read_record_set(path: str | os.PathLike, for_build: bool = False) -> RecordSet:
+def read_record_set(path: str | os.PathLike, best_only: int = 0) -> RecordSet:
     """Parse a record folder; raises :class:`TuningRecordError` naming the file that is bad.
 
     Reading a record replays its trace on the workload (~20 ms each: 27 s for ResNet-18's 1,237
-    records, more than the build itself). ``for_build`` reads only the records a build can apply,
-    each workload's fastest and the one an in-model verdict chose, and counts the rest."""
+    records, more than the build itself). ``best_only=N`` reads only each workload's N fastest
+    schedules and the one its in-model verdict chose, and counts the rest: what a build (N=1) or
+    the in-model check (N=3) needs. Such a record set is never saved."""
     path = Path(path)
     mpath = path / MANIFEST_FILE
     if not mpath.exists():
@@ -365,7 +410,7 @@ def read_record_set(path: str | os.PathLike, for_build: bool = False) -> RecordS
             raise TuningRecordError(
                 f"{wpath}: line {lineno}: not a Meta-Schedule workload ({last_line(err, 300)})"
             ) from None
-    keep = _BuildRecords(rset) if for_build else None
+    keep = _FastestRecords(rset, best_only) if best_only else None
     parsed = 0
     for lineno, obj in _json_lines(rpath):
         try:
@@ -389,34 +434,43 @@ def read_record_set(path: str | os.PathLike, for_build: bool = False) -> RecordS
     return rset
 
 
-class _BuildRecords:
-    """While the record file is read for a build: per workload, its trial count, its fastest
-    record and the one its in-model verdict chose (kept as JSON until the end)."""
+class _FastestRecords:
+    """While the record file is read: per workload, its trial count, its ``count`` fastest
+    schedules and the one its in-model verdict chose (kept as JSON until the end)."""
 
-    def __init__(self, rset: RecordSet):
+    def __init__(self, rset: RecordSet, count: int):
         self.keys = [workload_key(w.mod) for w in rset.workloads]
-        tasks = rset.manifest.get("tasks", {})
+        self.count = count
         self.chosen = {
-            k: e["in_model"]["trace"]
-            for k, e in tasks.items()
-            if isinstance(e, dict) and isinstance(e.get("in_model"), dict) and e["in_model"].get("trace")
+            key: verdict["trace"]
+            for key, entry in rset.manifest.get("tasks", {}).items()
+            if isinstance(entry, dict)
+            and isinstance(verdict := entry.get("in_model"), dict)
+            and verdict.get("trace")
         }
         self.counts: dict[str, int] = {}
-        self.best: dict[str, tuple[float, int, int, Any]] = {}  # key -> (secs, lineno, index, body)
+        self.fastest: dict[str, list] = {}  # key -> [(secs, trace id, lineno, index, body)], sorted
         self.picked: dict[str, tuple[int, int, Any]] = {}  # key -> (lineno, index, body)
 
     def see(self, lineno: int, index: int, body) -> None:
         key = self.keys[index]
         self.counts[key] = self.counts.get(key, 0) + 1
-        secs = [float(x) for x in (body[1] or [])]
-        mean = sum(secs) / len(secs) if secs else None
-        if mean is not None and mean < FAILED_RUN_SECS and mean < self.best.get(key, (float("inf"),))[0]:
-            self.best[key] = (mean, lineno, index, body)
-        if key in self.chosen and _trace_json_id(body[0]) == self.chosen[key]:
+        tid = None
+        mean = _mean_run_secs(body[1])
+        fastest = self.fastest.setdefault(key, [])
+        if mean is not None and (len(fastest) < self.count or mean < fastest[-1][0]):
+            tid = _trace_json_id(body[0])
+            same = [f for f in fastest if f[1] == tid]
+            if not same or mean < same[0][0]:  # one entry per schedule: its fastest measurement
+                fastest[:] = sorted(
+                    [f for f in fastest if f[1] != tid] + [(mean, tid, lineno, index, body)],
+                    key=lambda f: f[0],
+                )[: self.count]
+        if key in self.chosen and (tid or _trace_json_id(body[0])) == self.chosen[key]:
             self.picked[key] = (lineno, index, body)
 
     def read_into(self, rset: RecordSet, rpath: Path) -> None:
-        wanted = {(line, index): body for _, line, index, body in self.best.values()}
+        wanted = {(line, index): body for kept in self.fastest.values() for _, _, line, index, body in kept}
         wanted.update({(line, index): body for line, index, body in self.picked.values()})
         for (lineno, index), body in sorted(wanted.items()):
             try:
@@ -554,7 +608,7 @@ def load_records(
         return None, RecordReport(path, "missing", [msg])
     try:
         check_environment(need_workers=False)
-        rset = read_record_set(path, for_build=True)
+        rset = read_record_set(path, best_only=1)
     except TuningRecordError as err:
         if strict:
             raise

@@ -24,7 +24,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from .packed_weights import AsBuiltFeatures
-from .records import RecordSet, beats_default, is_search_record, mean_secs, workload_key
+from .records import RecordSet, beats_default, commit_records, is_search_record, mean_secs, workload_key
 from .rule_space import RuleSpaceSearch, SpaceProgress, rule_space
 
 INTERRUPTED_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -289,13 +289,7 @@ class TaskSearch:
 
     def _seed(self, database, key: str) -> None:
         """Give the search the trials it already measured for this task (it starts from the best)."""
-        records = [r for r in self.rset.records_of(key) if is_search_record(r)]
-        if records:
-            wl = database.commit_workload(records[0].workload.mod)
-            for r in records:
-                database.commit_tuning_record(
-                    ms.database.TuningRecord(r.trace, wl, r.run_secs, r.target, r.args_info)
-                )
+        commit_records(database, [r for r in self.rset.records_of(key) if is_search_record(r)])
 
     def _search(
         self, task, summary: TaskSummary, database, todo: int, position: str, generator, strategy
