@@ -21,14 +21,14 @@ from tvm.s_tir.meta_schedule.builder import local_builder
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from ..errors import TargetError
-from ..targets import is_gpu, target_json
+from ..targets import CUDA_DEFAULTS, is_gpu, target_json
 from .fleet import FleetRunner, Tracker, check_fleet
 from .packed_weights import candidate_args, kernel_as_built
 
 # What Meta-Schedule's GPU rules read from the target; the short "cuda" target lacks them.
 _CUDA_TUNING_DEFAULTS = {
+    **CUDA_DEFAULTS,
     "max_threads_per_block": 1024,
-    "max_shared_memory_per_block": 49152,
     "registers_per_block": 65536,
     "thread_warp_size": 32,
 }
