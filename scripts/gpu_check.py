@@ -39,6 +39,7 @@ import zoo  # noqa: E402  (scripts/zoo.py: the model list, feeds and exporters)
 
 REL_TOL = zoo.REL_TOL
 QUICK_MODELS = ["resnet18", "mobilenet_v3_small", "distilbert"]
+TOP_KERNELS = 6  # slowest kernels listed per model
 NOTES_MARKER = "<!-- notes below are kept when gpu_check.py rewrites the table -->"
 
 
@@ -146,7 +147,10 @@ def ort_session(model, threads: int):
 
 
 def check_on_gpu(source: str, so_path: str, runs: int) -> dict:
+    import tvm
+
     import tvm_fusion
+    from tvm_fusion.profiling import kernel_times
 
     model = load_onnx(source)
     feeds = zoo.feeds_for(model)
@@ -164,6 +168,10 @@ def check_on_gpu(source: str, so_path: str, runs: int) -> dict:
         return row
     row["rel_err"] = float(np.max(np.abs(ours - reference)) / float(np.max(np.abs(reference))))
     row["ms_ours"] = round(float(np.median(loaded.latency_ms(*feeds.values(), number=max(runs // 5, 1)))), 3)
+    # where the time goes: each kernel synchronised and timed alone (VM instrumentation)
+    args = [tvm.runtime.tensor(v, loaded.device) for v in feeds.values()]
+    top = kernel_times(loaded.vm, args, repeat=5, device=loaded.device)[:TOP_KERNELS]
+    row["top_kernels"] = [[kernel, round(ms, 4), launches] for kernel, ms, launches in top]
     for _ in range(3):
         session.run(None, feeds)
     times = []
@@ -310,6 +318,13 @@ def write_report(path: Path, header: dict, rows: dict, tuned: dict | None) -> No
             failures.append(f"- {name}: `{r['error']}`")
     if failures:
         lines += ["", "## Failures", "", *failures]
+    profiled = [(name, r["top_kernels"]) for name, r in rows.items() if r.get("top_kernels")]
+    if profiled:
+        lines += ["", "## Slowest kernels per model (ms per inference × launches, each synchronised)", ""]
+        lines += [
+            f"- {name}: " + ", ".join(f"`{k}` {ms:.3f}" + (f" ×{n}" if n > 1 else "") for k, ms, n in top)
+            for name, top in profiled
+        ]
     if tuned:
         lines += ["", "## Tuning one kernel (Meta-Schedule, BERT-sized GEMM 128×768×3072 + bias)", ""]
         if tuned.get("error"):

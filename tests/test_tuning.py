@@ -23,6 +23,7 @@ import tvm_fusion
 from tvm_fusion import files, frontend, models, targets, tuning
 from tvm_fusion.errors import TargetError, TuningRecordError, TvmFusionError
 from tvm_fusion.pipeline import unscheduled_module
+from tvm_fusion.schedules import TunableMatmul
 from tvm_fusion.tuning.defaults import default_fingerprint
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -389,8 +390,9 @@ def test_cuda_build_with_records_needs_no_gpu(ms_ready, cpu, tmp_path):
 
 
 def test_cuda_rule_space_record_replays_into_a_cuda_build(ms_ready, tmp_path):
-    """The GPU space (dlight's Matmul config as knobs): the default point is dlight's schedule, and a
-    record from another point replays into a CUDA build that compiles and exports (no GPU needed)."""
+    """The GPU space (dlight's Matmul config as knobs): the default point is the rule's untuned
+    schedule, dlight's own is a point of the space, and a record from another point replays into
+    a CUDA build that compiles and exports (no GPU needed)."""
     from tvm.s_tir import dlight as dl
     from tvm.s_tir import meta_schedule as ms
 
@@ -404,11 +406,14 @@ def test_cuda_rule_space_record_replays_into_a_cuda_build(ms_ready, tmp_path):
     assert space is not None and space.rule_type.__name__ == "TunableMatmul"
     with search_target:
         stock = dl.gpu.Matmul().apply(func, search_target, False)
-    tvm.ir.assert_structural_equal(
-        space.schedule(func, search_target, (0,) * len(space.names))[0].mod, stock.mod
-    )
+        untuned = TunableMatmul().apply(func, search_target, False)
+    default_point = (0,) * len(space.names)
+    tvm.ir.assert_structural_equal(space.schedule(func, search_target, default_point)[0].mod, untuned.mod)
+    # this 32x64 output fills no GPU: choice 0 is a smaller tile, dlight's 8x16 threads x 4x4 is choice 1
+    dlight_point = tuple(1 if n in ("threads", "micro") else 0 for n in space.names)
+    tvm.ir.assert_structural_equal(space.schedule(func, search_target, dlight_point)[0].mod, stock.mod)
 
-    point = (1, 2) + (0,) * (len(space.names) - 2)  # 16x16 threads, 2x2 micro-tiles
+    point = tuple(2 if n in ("threads", "micro") else 0 for n in space.names)  # neither of the two
     sch, effective = space.schedule(func, search_target, point)
     assert effective == point and not tvm_ffi.structural_equal(sch.mod, stock.mod)
     rset = tuning.RecordSet(
