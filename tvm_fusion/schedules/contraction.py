@@ -521,6 +521,17 @@ class Contraction(CpuRule):
         if not nontrivial:
             return
         inner, ext = nontrivial[-1]
+        # A ragged row tile's bounds check on the innermost loop would make its vectorized loop
+        # scalar (a transposing NCHW conv epilogue over a 111-wide plane in tiles of 8: one
+        # scalar load, max and store per element); vectorize a loop the check leaves alone.
+        predicate = get_sblock_realize(sch, block).predicate
+        if uses_var(predicate, sch.get(inner).loop_var):
+            free = [(lp, e) for lp, e in nontrivial[:-1] if not uses_var(predicate, sch.get(lp).loop_var)]
+            if free:
+                swap = free[-1]
+                sch.reorder(inner, swap[0])
+                nontrivial = [pair for pair in nontrivial if pair is not swap] + [swap]
+                inner, ext = swap
         lanes = vector_lanes(target)
         outer = [lp for lp, _ in nontrivial[:-1]]
         if ext <= 4 * lanes:
