@@ -4,11 +4,14 @@
     python scripts/gpu_ab.py --set tvm_fusion.schedules.gpu_matmul.MIN_BLOCKS=0
     python scripts/gpu_ab.py --set MOD.NAME=VALUE --models resnet18,bert_layer --out ab.md
 
-Variant A is the build with each ``--set`` applied (a module attribute, set before the build),
-variant B the build as the code stands. Both run on CUDA device 0; each is checked against ONNX
-Runtime (max |err| / max |ref|) and the two are timed side by side in interleaved rounds, so a
-change to a GPU default is measured, not assumed, in one short unattended call. Untuned builds
-only (no tuning records). Without a GPU it builds both variants for CUDA and stops (exit 2).
+Variant A is the build with each ``--set`` applied (a module attribute, set before the build and
+restored after: it reaches code that reads ``module.NAME`` when it runs, not a copy made by
+``from module import NAME``), variant B the build as the code stands. Both run on CUDA device 0;
+each is checked against ONNX Runtime (max |err| / max |ref|) and against the other (max |A - B|),
+and the two are timed side by side in interleaved rounds (order alternating), so a change to a GPU
+default is measured, not assumed, in one short unattended call. Untuned builds only (no tuning
+records). The table is rewritten after every model; a model that fails gets a row saying why.
+Without a GPU it builds both variants for CUDA and stops (exit 2).
 """
 
 from __future__ import annotations
@@ -51,6 +54,46 @@ def build_variant(name: str, target: dict, settings) -> object:
             setattr(module, attr, value)
 
 
+def compare(name: str, target: dict, settings, device, rounds: int) -> str:
+    """One table row: both variants built, checked and (with a device) timed."""
+    import onnxruntime as ort
+    import tvm
+
+    from tvm_fusion import models
+
+    model = models.example(name)
+    feeds = zoo.feeds_for(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    reference = session.run(None, feeds)[0]
+    built, build_s = {}, {}
+    for variant, sets in (("A", settings), ("B", [])):
+        start = time.perf_counter()
+        built[variant] = build_variant(name, target, sets)
+        build_s[variant] = time.perf_counter() - start
+    builds = f"{build_s['A']:.1f} / {build_s['B']:.1f}"
+    if device is None:
+        return f"| {name} | {builds} | (no GPU: built only) | | | | |"
+    args_dev = [tvm.runtime.tensor(v, device) for v in feeds.values()]
+    outputs, timers, times = {}, {}, {"A": [], "B": []}
+    for variant, result in built.items():
+        vm = tvm.relax.VirtualMachine(result.executable, device)
+        out = vm["main"](*args_dev)
+        outputs[variant] = (out if isinstance(out, tvm.runtime.Tensor) else out[0]).numpy()
+        timers[variant] = vm.time_evaluator("main", device, number=20, repeat=3)
+    errors = {
+        v: float(np.max(np.abs(o - reference)) / float(np.max(np.abs(reference)))) for v, o in outputs.items()
+    }
+    a_vs_b = float(np.max(np.abs(outputs["A"] - outputs["B"])))
+    for i in range(rounds):
+        for variant in ("A", "B") if i % 2 == 0 else ("B", "A"):
+            times[variant].append(float(np.median(timers[variant](*args_dev).results)) * 1e3)
+    ms = {v: float(np.median(t)) for v, t in times.items()}
+    return (
+        f"| {name} | {builds} | {errors['A']:.1e} / {errors['B']:.1e} | {a_vs_b:.1e} "
+        f"| {ms['A']:.4f} | {ms['B']:.4f} | {ms['B'] / ms['A']:.2f} |"
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set", action="append", required=True, help="MODULE.NAME=VALUE for variant A")
@@ -60,10 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
     args = p.parse_args(argv)
 
-    import onnxruntime as ort
     import tvm
-
-    from tvm_fusion import models
 
     settings = [parse_setting(s) for s in args.set]
     device = tvm.cuda(0)
@@ -77,44 +117,19 @@ def main(argv=None) -> int:
         f"{getattr(device, 'device_name', 'no GPU') if has_gpu else 'no GPU'}, target `{target}`, "
         f"untuned builds, {args.rounds} interleaved rounds (median of medians).",
         "",
-        "| model | build s A / B | max rel err A / B | ms A | ms B | B / A |",
-        "| --- | --- | --- | ---: | ---: | ---: |",
+        "| model | build s A / B | max rel err A / B | max abs A − B | ms A | ms B | B / A |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for name in args.models.split(","):
-        model = models.example(name)
-        feeds = zoo.feeds_for(model)
-        reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-            None, feeds
-        )[0]
-        built, build_s = {}, {}
-        for variant, sets in (("A", settings), ("B", [])):
-            start = time.perf_counter()
-            built[variant] = build_variant(name, target, sets)
-            build_s[variant] = time.perf_counter() - start
-        if not has_gpu:
-            print(f"{name}: built both variants for {target} (no GPU: nothing run)", flush=True)
-            continue
-        args_dev = [tvm.runtime.tensor(v, device) for v in feeds.values()]
-        vms, errors, times = {}, {}, {"A": [], "B": []}
-        for variant, result in built.items():
-            vm = tvm.relax.VirtualMachine(result.executable, device)
-            out = vm["main"](*args_dev)
-            ours = (out if isinstance(out, tvm.runtime.Tensor) else out[0]).numpy()
-            errors[variant] = float(np.max(np.abs(ours - reference)) / float(np.max(np.abs(reference))))
-            vms[variant] = vm.time_evaluator("main", device, number=20, repeat=3)
-        for _ in range(args.rounds):
-            for variant in ("A", "B"):
-                times[variant].append(float(np.median(vms[variant](*args_dev).results)) * 1e3)
-        ms = {v: float(np.median(t)) for v, t in times.items()}
-        lines.append(
-            f"| {name} | {build_s['A']:.1f} / {build_s['B']:.1f} | {errors['A']:.1e} / {errors['B']:.1e} "
-            f"| {ms['A']:.4f} | {ms['B']:.4f} | {ms['B'] / ms['A']:.2f} |"
-        )
-        print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+        try:
+            row = compare(name, target, settings, device if has_gpu else None, args.rounds)
+        except Exception as err:
+            row = f"| {name} | failed: `{zoo._one_line(err)}` | | | | | |"
+        lines.append(row)
+        print(row, flush=True)
+        if args.out:
+            args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
     return 0 if has_gpu else 2
 
 

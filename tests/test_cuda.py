@@ -190,3 +190,22 @@ def test_a_gemm_that_fills_the_gpu_keeps_dlights_tile():
         stock = dl.gpu.Matmul().apply(_gemm(2048, 768, 3072), target, False)
         ours = TunableMatmul().apply(_gemm(2048, 768, 3072), target, False)
     tvm.ir.assert_structural_equal(ours.mod, stock.mod)
+
+
+def test_a_gemm_with_a_dynamic_row_count_keeps_dlights_tile():
+    """With a symbolic M the grid is unknown at compile time: dlight's tile, as before."""
+    from tvm import te
+    from tvm.s_tir import dlight as dl
+
+    from tvm_fusion.schedules.gpu_matmul import TunableMatmul
+
+    m = tvm.tirx.Var("m", "int32")
+    a = te.placeholder((m, 768), name="a")
+    b = te.placeholder((768, 768), name="b")
+    r = te.reduce_axis((0, 768), name="r")
+    c = te.compute((m, 768), lambda i, j: te.sum(a[i, r] * b[r, j], axis=r), name="c")
+    target = tvm.target.Target(CUDA)
+    with target:
+        stock = dl.gpu.Matmul().apply(te.create_prim_func([a, b, c]), target, False)
+        ours = TunableMatmul().apply(te.create_prim_func([a, b, c]), target, False)
+    tvm.ir.assert_structural_equal(ours.mod, stock.mod)

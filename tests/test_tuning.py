@@ -23,7 +23,7 @@ import tvm_fusion
 from tvm_fusion import files, frontend, models, targets, tuning
 from tvm_fusion.errors import TargetError, TuningRecordError, TvmFusionError
 from tvm_fusion.pipeline import unscheduled_module
-from tvm_fusion.schedules import TunableMatmul
+from tvm_fusion.schedules import TunableMatmul, gpu_matmul
 from tvm_fusion.tuning.defaults import default_fingerprint
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -409,8 +409,19 @@ def test_cuda_rule_space_record_replays_into_a_cuda_build(ms_ready, tmp_path):
         untuned = TunableMatmul().apply(func, search_target, False)
     default_point = (0,) * len(space.names)
     tvm.ir.assert_structural_equal(space.schedule(func, search_target, default_point)[0].mod, untuned.mod)
-    # this 32x64 output fills no GPU: choice 0 is a smaller tile, dlight's 8x16 threads x 4x4 is choice 1
-    dlight_point = tuple(1 if n in ("threads", "micro") else 0 for n in space.names)
+    # this 32x64 output leaves the GPU idle under every tile: choice 0 is the smallest tile, and
+    # dlight's own 8x16 threads x 4x4 micro-tiles is another point of the space
+    with search_target:
+        own, _ = TunableMatmul()._own_config(func, search_target, dl.gpu.Matmul().get_configs(search_target))
+    assert (own.micro_size_x, own.micro_size_y) != (4, 4)
+
+    def choice(name, value):
+        mine = tuple(getattr(own, field) for field in gpu_matmul._FIELDS[name])
+        return list(dict.fromkeys([mine, *gpu_matmul.ALTERNATIVES[name]])).index(value)
+
+    dlight = {"threads": (8, 16), "micro": (4, 4)}
+    dlight_point = tuple(choice(n, dlight[n]) if n in dlight else 0 for n in space.names)
+    assert any(dlight_point)
     tvm.ir.assert_structural_equal(space.schedule(func, search_target, dlight_point)[0].mod, stock.mod)
 
     point = tuple(2 if n in ("threads", "micro") else 0 for n in space.names)  # neither of the two

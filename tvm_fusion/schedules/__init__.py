@@ -46,7 +46,7 @@ def gpu_rules() -> list:
     return [
         Declining(rule)
         for rule in (
-            TunableMatmul(),  # dlight's Matmul, its config tunable (choice 0: dlight's own)
+            TunableMatmul(),  # dlight's Matmul, its config tunable (choice 0: the rule's own pick)
             dl.gpu.GEMV(),
             dl.gpu.Reduction(),
             dl.gpu.GeneralReduction(),

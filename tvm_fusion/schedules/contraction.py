@@ -526,12 +526,18 @@ class Contraction(CpuRule):
         # scalar load, max and store per element); vectorize a loop the check leaves alone.
         predicate = get_sblock_realize(sch, block).predicate
         if uses_var(predicate, sch.get(inner).loop_var):
-            free = [(lp, e) for lp, e in nontrivial[:-1] if not uses_var(predicate, sch.get(lp).loop_var)]
+            free = [
+                i
+                for i, (lp, e) in enumerate(nontrivial[:-1])
+                if e >= 4 and not uses_var(predicate, sch.get(lp).loop_var)
+            ]
             if free:
-                swap = free[-1]
-                sch.reorder(inner, swap[0])
-                nontrivial = [pair for pair in nontrivial if pair is not swap] + [swap]
-                inner, ext = swap
+                i = free[-1]
+                moved, after = nontrivial[i], nontrivial[i + 1 :]
+                # the innermost such loop moves innermost; the loops after it keep their order
+                if try_primitive(sch.reorder, *[lp for lp, _ in after], moved[0]):
+                    nontrivial = nontrivial[:i] + after + [moved]
+                    inner, ext = moved
         lanes = vector_lanes(target)
         outer = [lp for lp, _ in nontrivial[:-1]]
         if ext <= 4 * lanes:

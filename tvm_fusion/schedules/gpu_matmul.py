@@ -2,15 +2,16 @@
 
 dlight picks one fixed configuration per target kind (for CUDA: 8x16 threads, 4x4 micro-tiles,
 k-step 16, 2-wide vectors, unroll 256) and takes no tunable instructions. Here each field of that
-configuration is a decision whose choice 0 is dlight's own value, so untuned this is exactly
-dlight's schedule, and the tuner (``tuning.rule_space``) searches thread-block shape, micro-tile,
-k-step, vector width and unroll per kernel. The decisions are recorded in the schedule's trace.
+configuration is a decision whose choice 0 is the rule's own pick, and the tuner
+(``tuning.rule_space``) searches thread-block shape, micro-tile, k-step, vector width and unroll
+per kernel. The decisions are recorded in the schedule's trace.
 
-One change to dlight's pick: its 32x64 output tile gives a GEMM with a small output (BERT's
-128x768 projections, a 7x7x512 conv) fewer thread blocks than the GPU has SMs, and each block
-walks the whole reduction alone; measured on an H200, tuning halved such kernels with smaller
-tiles. So choice 0 is dlight's tile unless its grid leaves SMs idle, then the first smaller tile
-that fills them (:data:`SMALLER_TILES`); dlight's own tile stays in the space.
+The rule's own pick is dlight's, with one change on CUDA: dlight's 32x64 output tile gives a GEMM
+with a small output (BERT's 128x768 projections, a 7x7x512 conv) fewer thread blocks than an
+A100/H100-class GPU has SMs, and each block walks the whole reduction alone; measured on an H200,
+tuning halved such kernels with smaller tiles. So when dlight's grid has fewer than
+:data:`MIN_BLOCKS` blocks, choice 0 is the first smaller tile that reaches it
+(:data:`SMALLER_TILES`); dlight's own tile stays a point of the space.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tvm.s_tir import dlight as dl
 from ._util import collect_loops
 from .knobs import Knobs
 
-# Alternatives per config field, tried after dlight's own value (which is always choice 0).
+# Alternatives per config field, tried after the rule's own pick (which is always choice 0).
 ALTERNATIVES = {
     "threads": [(8, 16), (16, 16), (8, 8), (16, 8), (32, 8), (8, 32)],  # (block_size_x, block_size_y)
     "micro": [(4, 4), (2, 2), (4, 2), (2, 4), (8, 4), (4, 8)],  # (micro_size_x, micro_size_y)
@@ -39,14 +40,16 @@ _FIELDS = {
     "unroll": ("unroll",),
 }
 
-# About one thread block per SM on the GPUs we target (A100: 108 SMs, H100/H200: 132).
+# About one thread block per SM on A100/H100-class GPUs (108 / 132 SMs), where it was measured;
+# on a smaller GPU it only picks smaller tiles than needed (the tuner still tries dlight's).
 MIN_BLOCKS = 128
 # (threads, micro-tile) tried in order when dlight's 8x16 threads x 4x4 micro-tiles leave SMs idle.
 SMALLER_TILES = [((8, 16), (4, 2)), ((8, 16), (2, 2)), ((8, 8), (2, 2))]
 
 
 def thread_blocks(sch) -> int | None:
-    """Thread blocks the scheduled kernel launches (None when the grid is not static)."""
+    """Thread blocks the scheduled kernel launches (None when the grid is not static). Assumes one
+    kernel per function, as dlight's Matmul makes: every blockIdx loop is that kernel's grid."""
     blocks = 1
     for loop in collect_loops(sch.mod["main"]):
         if loop.thread_binding is not None and loop.thread_binding.thread_tag.startswith("blockIdx"):
@@ -69,7 +72,7 @@ class TunableMatmul(dl.gpu.Matmul):
         return self._config if self._config is not None else super().get_configs(target)
 
     def apply(self, func, target, tunable):
-        base = self._own_config(func, target, super().get_configs(target))
+        base, checked = self._own_config(func, target, super().get_configs(target))
         if base is None:
             return None
         knobs = self.last_knobs = Knobs(self.knobs, tunable)
@@ -78,41 +81,57 @@ class TunableMatmul(dl.gpu.Matmul):
             fields = _FIELDS[name]
             own = tuple(getattr(base, f) for f in fields)
             options = [own] + [tuple(a) if isinstance(a, tuple) else (a,) for a in alternatives]
-            options = list(dict.fromkeys(options))  # dlight's own value first, each value once
+            options = list(dict.fromkeys(options))  # the rule's own pick first, each value once
             changes.update(zip(fields, options[knobs.choose(None, name, len(options))]))
-        self._config = dataclasses.replace(base, **changes)
-        try:
-            sch = super().apply(func, target, tunable)
-        finally:
-            self._config = None
+        config = dataclasses.replace(base, **changes)
+        if not self.knobs and not tunable:
+            return checked  # untuned: the rule's own pick, which the check already built
+        sch = self._apply_with(func, target, config, tunable)
         if sch is not None:
             knobs.record(sch)
         return sch
 
+    def _apply_with(self, func, target, config, tunable=False):
+        self._config = config
+        try:
+            return super().apply(func, target, tunable)
+        finally:
+            self._config = None
+
     def _own_config(self, func, target, dlight_config):
-        """dlight's config, or the first smaller tile whose grid fills the GPU (else the one with
-        the most blocks); None when the rule does not apply to ``func``."""
-        best, best_blocks = dlight_config, -1
-        for threads, micro in [(None, None), *SMALLER_TILES]:
-            config = dlight_config
-            if threads is not None:
-                config = dataclasses.replace(
-                    config,
-                    block_size_x=threads[0],
-                    block_size_y=threads[1],
-                    micro_size_x=micro[0],
-                    micro_size_y=micro[1],
-                )
-            self._config = config
+        """``(config, its schedule)``: dlight's, or on CUDA the first smaller tile whose grid fills
+        the GPU (else the one with the most blocks); ``(None, None)`` when dlight declines ``func``.
+        Only dlight's own attempt decides whether the rule applies: a smaller tile that fails is
+        skipped."""
+        sch = self._apply_with(func, target, dlight_config)
+        if sch is None:
+            return None, None
+        blocks = thread_blocks(sch)
+        if (
+            target.kind.name != "cuda"
+            or blocks is None
+            or blocks >= MIN_BLOCKS
+            or any(inst.kind.name == "Tensorize" for inst in sch.trace.insts)  # config unused
+        ):
+            return dlight_config, sch
+        best = (dlight_config, sch, blocks)
+        for threads, micro in SMALLER_TILES:
+            config = dataclasses.replace(
+                dlight_config,
+                block_size_x=threads[0],
+                block_size_y=threads[1],
+                micro_size_x=micro[0],
+                micro_size_y=micro[1],
+            )
             try:
-                sch = super().apply(func, target, False)
-            finally:
-                self._config = None
-            if sch is None:
-                return None
-            blocks = thread_blocks(sch)
-            if blocks is None or blocks >= MIN_BLOCKS:
-                return config
-            if blocks > best_blocks:
-                best, best_blocks = config, blocks
-        return best
+                smaller = self._apply_with(func, target, config)
+            except Exception:  # noqa: BLE001  (dlight's own failure modes; its tile still works)
+                continue
+            blocks = None if smaller is None else thread_blocks(smaller)
+            if blocks is None:
+                continue
+            if blocks >= MIN_BLOCKS:
+                return config, smaller
+            if blocks > best[2]:
+                best = (config, smaller, blocks)
+        return best[0], best[1]
