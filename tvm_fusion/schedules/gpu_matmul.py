@@ -83,10 +83,9 @@ class TunableMatmul(dl.gpu.Matmul):
             options = [own] + [tuple(a) if isinstance(a, tuple) else (a,) for a in alternatives]
             options = list(dict.fromkeys(options))  # the rule's own pick first, each value once
             changes.update(zip(fields, options[knobs.choose(None, name, len(options))]))
-        config = dataclasses.replace(base, **changes)
-        if not self.knobs and not tunable:
+        if not self.knobs and not tunable:  # the knobs above still count the choices (rule_space)
             return checked  # untuned: the rule's own pick, which the check already built
-        sch = self._apply_with(func, target, config, tunable)
+        sch = self._apply_with(func, target, dataclasses.replace(base, **changes), tunable)
         if sch is not None:
             knobs.record(sch)
         return sch
