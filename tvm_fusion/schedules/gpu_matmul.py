@@ -116,11 +116,7 @@ class TunableMatmul(dl.gpu.Matmul):
         best = (dlight_config, sch, blocks)
         for threads, micro in SMALLER_TILES:
             config = dataclasses.replace(
-                dlight_config,
-                block_size_x=threads[0],
-                block_size_y=threads[1],
-                micro_size_x=micro[0],
-                micro_size_y=micro[1],
+                dlight_config, **dict(zip(_FIELDS["threads"], threads)), **dict(zip(_FIELDS["micro"], micro))
             )
             try:
                 smaller = self._apply_with(func, target, config)
