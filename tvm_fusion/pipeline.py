@@ -7,7 +7,8 @@ Order, and why:
 1. ``FoldBatchNorm`` + ``FoldConstant``: BN disappears into conv/matmul weights before anything
    counts ops, so fusion and layout see the real compute graph.
 2. ``CanonicalizeActivations``: exporters spell GELU/SiLU as erf/sigmoid arithmetic; one op fuses
-   as an epilogue, five ops with a diamond do not.
+   as an epilogue, five ops with a diamond do not. ``SimplifyPoolCeilMode``: a ``ceil_mode`` pool
+   whose windows rounding up does not change loses the flag (and TOPI's padded copy of its input).
 3. ``HorizontalFuse``: sibling GEMMs/convs over one input become one (Q/K/V -> one GEMM + split).
    ``FuseAttention``: each attention block becomes one ``fused_attention`` function (after the
    QKV merge, which it looks through; before fusion, which would otherwise split the block).
@@ -47,6 +48,7 @@ from .passes import (
     MarkSingleBufferNoAlias,
     PadConvChannels,
     RewriteLayout,
+    SimplifyPoolCeilMode,
 )
 from .policy import FusionPolicy
 from .schedules import LowerAttention, default_schedule_passes, mark_prepackable
@@ -108,7 +110,7 @@ def pipeline_stages(
     rewrite: list[tvm.transform.Pass] = [BindUnknownShapes()]
     if fold_batch_norm:
         rewrite += [FoldBatchNorm(), relax.transform.FoldConstant()]
-    rewrite.append(CanonicalizeActivations())
+    rewrite += [CanonicalizeActivations(), SimplifyPoolCeilMode()]
     if horizontal:
         rewrite.append(HorizontalFuse())
     if attention and fusion:

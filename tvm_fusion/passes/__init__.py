@@ -10,6 +10,7 @@ from .horizontal_fuse import HorizontalFuse
 from .mark_single_buffer_noalias import MarkSingleBufferNoAlias
 from .pad_conv_channels import PadConvChannels
 from .rewrite_layout import RewriteLayout, count_layout_transforms
+from .simplify_pool_ceil_mode import SimplifyPoolCeilMode
 
 __all__ = [
     "ApplyFusionPolicy",
@@ -22,6 +23,7 @@ __all__ = [
     "MarkSingleBufferNoAlias",
     "PadConvChannels",
     "RewriteLayout",
+    "SimplifyPoolCeilMode",
     "attention_decisions",
     "count_layout_transforms",
     "explain",
