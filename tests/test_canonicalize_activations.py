@@ -4,7 +4,8 @@ import math
 
 import numpy as np
 import pytest
-from conftest import max_abs_err, ort_run, run_relax
+import tvm
+from conftest import max_abs_err, ort_run, run_executable, run_relax
 from tvm import relax
 
 from tvm_fusion import models
@@ -106,3 +107,46 @@ def test_tanh_gelu_becomes_one_op_and_powers_become_products():
     # x ** 2.5 is neither: it stays a power; x ** 3 elsewhere becomes products
     other = CanonicalizeActivations()(relax.transform.FoldConstant()(import_onnx(_tanh_gelu_model(2.5)).mod))
     assert op_counts(other).get("nn.gelu_tanh", 0) == 0 and op_counts(other).get("power") == 1
+
+
+def hardswish_model():
+    """conv -> HardSwish -> depthwise conv -> HardSwish, as MobileNetV3 exports."""
+    g = models.GraphBuilder("hardswish")
+    x = g.input("input", (1, 8, 12, 12))
+    y = g.op("HardSwish", [g.conv(x, 8, 16, k=1)])
+    y = g.op("HardSwish", [g.conv(y, 16, 16, k=3, groups=16)])
+    return g.finish([y])
+
+
+def test_hardswish_becomes_one_op_and_a_conv_epilogue(cpu_target):
+    from tvm_fusion import build
+
+    model = hardswish_model()
+    mod = CanonicalizeActivations()(import_onnx(model).mod)
+    counts = op_counts(mod)
+    assert counts["nn.hardswish"] == 2
+    assert counts.get("clip", 0) == 0 and counts.get("multiply", 0) == 0 and counts.get("divide", 0) == 0
+    feeds = models.random_inputs(model)
+    feeds["input"] *= 4  # reach both of the clip's bounds
+    expected = ort_run(model, feeds)
+    assert max_abs_err(run_relax(mod, feeds), expected) < 1e-5  # plain tvm.compile lowers the op too
+    result = build(model, cpu_target, name="hardswish", tuning_logs=None)
+    kernels = [gv.name_hint for gv, f in result.lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert len(kernels) == 2 and all("conv2d" in k and "hardswish" in k for k in kernels), kernels
+    assert max_abs_err(run_executable(result.executable, feeds), expected) < 1e-5
+
+
+@pytest.mark.parametrize("shift, found", [(3.0, 1), (2.0, 0)], ids=["hardswish", "x+2-is-not"])
+def test_hardswish_spelled_with_onnx_ops(shift, found):
+    """Mul(x, Div(Clip(Add(x, shift), 0, 6), 6)): the frontend's Clip kernels become R.clip first,
+    and the HardSwish is found only when the shift is 3."""
+    g = models.GraphBuilder("spelled_hardswish")
+    x = g.input("input", (2, 8))
+    c = lambda v: g.const("c", np.array(v, np.float32))  # noqa: E731
+    gate = g.op("Div", [g.op("Clip", [g.op("Add", [x, c(shift)]), c(0.0), c(6.0)]), c(6.0)])
+    model = g.finish([g.op("Mul", [x, gate])])
+    out = CanonicalizeActivations()(relax.transform.FoldConstant()(import_onnx(model).mod))
+    assert op_counts(out).get("nn.hardswish", 0) == found
+    feeds = models.random_inputs(model)
+    feeds["input"] *= 4
+    assert max_abs_err(run_relax(out, feeds), ort_run(model, feeds)) < 1e-5

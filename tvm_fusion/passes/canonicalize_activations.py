@@ -1,4 +1,4 @@
-"""CanonicalizeActivations: turn exporter-spelled GELU, SiLU and Clip back into single ops.
+"""CanonicalizeActivations: turn exporter-spelled GELU, SiLU, HardSwish and Clip back into single ops.
 
 ONNX below opset 20 has no GELU, so exporters write ``x * 0.5 * (1 + erf(x / sqrt(2)))``: five ops
 whose ``x`` feeds two branches. The unique-consumer rule rightly refuses to fuse across that
@@ -7,7 +7,8 @@ subgraph to ``R.nn.gelu(x)`` (same formula after legalisation) makes it a plain 
 GPT-2's tanh form ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` becomes
 ``R.nn.gelu_tanh(x)`` (its ``x**3`` was a ``powf`` call per element, 18% of GPT-2's time); other
 ``x ** 2`` / ``x ** 3`` become products. Likewise ``x * sigmoid(x)`` becomes ``R.nn.silu(x)``,
-and the Relax ONNX frontend's Clip, which it
+ONNX HardSwish's ``x * (clip(x + 3, 0, 6) / 6)`` becomes ``R.nn.hardswish`` (an op of ours,
+``tvm_fusion/ops.py``), and the Relax ONNX frontend's Clip, which it
 emits as opaque ``call_tir(maximum)`` / ``call_tir(minimum)`` TE kernels, becomes ``R.clip`` (or
 ``R.maximum`` / ``R.minimum``), so later passes see a named elementwise op instead of a black box.
 
@@ -26,6 +27,7 @@ import tvm_ffi
 from tvm import relax
 
 from ..ir import graph_functions
+from ..ops import hardswish
 
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 
@@ -215,10 +217,40 @@ def _match_silu(var, var2val):
     return None
 
 
+def _relu6_shifted_input(expr, var2val):
+    """x if ``expr`` is ``clip(x + 3, 0, 6)``."""
+    clip = _op(expr, var2val, "clip")
+    bounds = [getattr(a, "value", None) for a in clip.args[1:]] if clip is not None else None
+    if bounds != [0, 6]:  # the bounds are prim immediates (IntImm / FloatImm)
+        return None
+    add = _op(clip.args[0], var2val, "add")
+    if add is None:
+        return None
+    for x, c in (add.args, add.args[::-1]):
+        if _scalar(c, var2val) == 3.0:
+            return x
+    return None
+
+
+def _match_hardswish(var, var2val):
+    """``x * (clip(x + 3, 0, 6) / 6)`` (the ONNX frontend's HardSwish), in either operand order."""
+    call = _op(var, var2val, "multiply")
+    if call is None:
+        return None
+    for x, gate in (call.args, call.args[::-1]):
+        div = _op(gate, var2val, "divide")
+        if div is None or _scalar(div.args[1], var2val) != 6.0:
+            continue
+        if (inner := _relu6_shifted_input(div.args[0], var2val)) is not None and inner.same_as(x):
+            if tvm_ffi.structural_equal(x.ty, call.ty):
+                return hardswish(x)
+    return None
+
+
 @tvm.transform.module_pass(opt_level=0, name="CanonicalizeActivations")
 class CanonicalizeActivations:
     """Rewrite erf-spelled GELU to ``nn.gelu``, tanh-spelled GELU to ``nn.gelu_tanh``,
-    ``x * sigmoid(x)`` to ``nn.silu`` and ``x ** 2`` / ``x ** 3`` to products."""
+    ``x * sigmoid(x)`` to ``nn.silu``, ``x * (clip(x + 3, 0, 6) / 6)`` to ``nn.hardswish`` and ``x ** 2`` / ``x ** 3`` to products."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         changed = False
@@ -226,9 +258,11 @@ class CanonicalizeActivations:
         for gvar, func in list(graph_functions(mod)):
             if not isinstance(func.body, relax.SeqExpr):
                 continue
-            new_func = _rewrite(func, mod)
-            if new_func is not None:
-                mod[gvar] = new_func
+            for _ in range(3):  # a rewritten Clip can complete a HardSwish pattern: look again
+                new_func = _rewrite(func, mod)
+                if new_func is None:
+                    break
+                func = mod[gvar] = relax.transform.Normalize()(tvm.IRModule({gvar: new_func}))[gvar]
                 changed = True
         if not changed:
             return mod
@@ -247,6 +281,8 @@ def _rewrite(func: relax.Function, mod: tvm.IRModule | None = None) -> relax.Fun
                     replacement = _match_gelu_tanh(binding.var, var2val)
                 if replacement is None:
                     replacement = _match_silu(binding.var, var2val)
+                if replacement is None:
+                    replacement = _match_hardswish(binding.var, var2val)
                 if replacement is None:
                     replacement = _match_small_power(binding.var, var2val)
                 if replacement is None:

@@ -79,6 +79,7 @@ _ELEMWISE_OPS = frozenset(
         "nn.gelu",
         "nn.gelu_tanh",
         "nn.silu",
+        "nn.hardswish",
         "nn.leakyrelu",
         "sigmoid",
         "tanh",

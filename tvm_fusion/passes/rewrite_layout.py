@@ -56,6 +56,7 @@ _UNARY = {
     "relax.nn.relu",
     "relax.clip",
     "relax.nn.silu",
+    "relax.nn.hardswish",
     "relax.nn.gelu",
     "relax.nn.gelu_tanh",
     "relax.sigmoid",

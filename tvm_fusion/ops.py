@@ -1,0 +1,56 @@
+"""Relax ops tvm_fusion adds: activations ONNX has and this TVM's Relax has not.
+
+ONNX's ``HardSwish`` (MobileNetV3's activation, 19 of them in ``mobilenet_v3_small``) reaches
+Relax as ``x * (clip(x + 3, 0, 6) / 6)``: ``x`` feeds two branches, so the unique-consumer rule
+keeps the four ops out of the conv before them, and every HardSwish cost a kernel launch and a
+round trip of the conv's output through memory. As one op (``CanonicalizeActivations`` rewrites
+the pattern) it is a plain epilogue, like SiLU and GELU.
+
+The op is registered with TVM's op registry from Python (type inference, purity, legalization);
+its legalization computes exactly the frontend's arithmetic, so results are bit-identical.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, te, tirx
+
+HARDSWISH = "relax.nn.hardswish"
+
+
+def _same_type(call, _ctx):
+    return call.args[0].ty
+
+
+def hardswish_te(x: te.Tensor) -> te.Tensor:
+    """``x * (clip(x + 3, 0, 6) / 6)``, in the Relax ONNX frontend's order of operations."""
+    dtype = x.dtype
+
+    def value(*i):
+        shifted = x(*i) + tirx.const(3, dtype)
+        clipped = tirx.max(tirx.min(shifted, tirx.const(6, dtype)), tirx.const(0, dtype))
+        return x(*i) * (clipped / tirx.const(6, dtype))
+
+    return te.compute(x.shape, value, name="hardswish")
+
+
+def _legalize_hardswish(bb: relax.BlockBuilder, call: relax.Call):
+    return bb.call_te(hardswish_te, call.args[0], primfunc_name_hint="hardswish")
+
+
+def register() -> None:
+    """Register the ops (idempotent; a TVM that has its own ``nn.hardswish`` keeps it)."""
+    if HARDSWISH in tvm.ir._ffi_api.ListOpNames():  # pylint: disable=protected-access
+        return
+    tvm.ir.register_op_attr(HARDSWISH, "FInferType", _same_type)  # creates the op
+    tvm.ir.register_op_attr(HARDSWISH, "FPurity", True)
+    tvm.ir.register_op_attr(HARDSWISH, "FLegalize", _legalize_hardswish)
+
+
+def hardswish(x: relax.Expr) -> relax.Call:
+    """``R.nn.hardswish(x)``."""
+    register()
+    return relax.Call(tvm.ir.Op.get(HARDSWISH), [x])
+
+
+register()
