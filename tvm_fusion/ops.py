@@ -7,7 +7,9 @@ round trip of the conv's output through memory. As one op (``CanonicalizeActivat
 the pattern) it is a plain epilogue, like SiLU and GELU.
 
 The op is registered with TVM's op registry from Python (type inference, purity, legalization);
-its legalization computes exactly the frontend's arithmetic, so results are bit-identical.
+its legalization computes exactly the frontend's arithmetic, so results are bit-identical. Its
+builder is also put in ``relax.op.nn`` (which TVMScript's ``R.nn`` is), so a module holding it
+prints and parses back like one with TVM's own ops, in a process that imported tvm_fusion.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ def _legalize_hardswish(bb: relax.BlockBuilder, call: relax.Call):
     return bb.call_te(hardswish_te, call.args[0], primfunc_name_hint="hardswish")
 
 
+def hardswish(x: relax.Expr) -> relax.Call:
+    """``R.nn.hardswish(x)``."""
+    return relax.Call(tvm.ir.Op.get(HARDSWISH), [x])
+
+
 def register() -> None:
     """Register the ops (idempotent; a TVM that has its own ``nn.hardswish`` keeps it)."""
     if HARDSWISH in tvm.ir._ffi_api.ListOpNames():  # pylint: disable=protected-access
@@ -45,12 +52,8 @@ def register() -> None:
     tvm.ir.register_op_attr(HARDSWISH, "FInferType", _same_type)  # creates the op
     tvm.ir.register_op_attr(HARDSWISH, "FPurity", True)
     tvm.ir.register_op_attr(HARDSWISH, "FLegalize", _legalize_hardswish)
-
-
-def hardswish(x: relax.Expr) -> relax.Call:
-    """``R.nn.hardswish(x)``."""
-    register()
-    return relax.Call(tvm.ir.Op.get(HARDSWISH), [x])
+    if not hasattr(relax.op.nn, "hardswish"):
+        relax.op.nn.hardswish = hardswish  # TVMScript's R.nn.hardswish
 
 
 register()
