@@ -41,7 +41,9 @@ from .passes import (  # noqa: E402
     FoldBatchNorm,
     FuseAttention,
     HorizontalFuse,
+    PadConvChannels,
     RewriteLayout,
+    SimplifyPoolCeilMode,
     explain,
 )
 from .pipeline import describe, pipeline, pipeline_passes  # noqa: E402
@@ -61,9 +63,11 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "ModuleError",
+    "PadConvChannels",
     "PolicyError",
     "RewriteLayout",
     "Roofline",
+    "SimplifyPoolCeilMode",
     "TargetError",
     "TuningRecordError",
     "TvmFusionError",

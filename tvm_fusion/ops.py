@@ -9,7 +9,8 @@ the pattern) it is a plain epilogue, like SiLU and GELU.
 The op is registered with TVM's op registry from Python (type inference, purity, legalization);
 its legalization computes exactly the frontend's arithmetic, so results are bit-identical. Its
 builder is also put in ``relax.op.nn`` (which TVMScript's ``R.nn`` is), so a module holding it
-prints and parses back like one with TVM's own ops, in a process that imported tvm_fusion.
+prints and parses back like one with TVM's own ops. Such a module (TVMScript or JSON) loads only in
+a process that imported tvm_fusion; compiled libraries do not contain the op and load anywhere.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ HARDSWISH = "relax.nn.hardswish"
 
 
 def _same_type(call, _ctx):
-    return call.args[0].ty
+    """A float tensor in, the same type out (an int HardSwish would divide by 6 in integers)."""
+    if len(call.args) != 1:
+        raise ValueError(f"{HARDSWISH} takes one tensor, got {len(call.args)} arguments")
+    ty = call.args[0].ty
+    if not isinstance(ty, relax.TensorType) or not str(ty.dtype).startswith(("float", "bfloat")):
+        raise ValueError(f"{HARDSWISH} needs a floating-point tensor, got {ty}")
+    return ty
 
 
 def hardswish_te(x: te.Tensor) -> te.Tensor:

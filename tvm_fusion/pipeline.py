@@ -6,7 +6,7 @@ Order, and why:
    symbolic dims, or FoldConstant and LegalizeOps cannot lower anything downstream of it.
 1. ``FoldBatchNorm`` + ``FoldConstant``: BN disappears into conv/matmul weights before anything
    counts ops, so fusion and layout see the real compute graph.
-2. ``CanonicalizeActivations``: exporters spell GELU/SiLU as erf/sigmoid arithmetic; one op fuses
+2. ``CanonicalizeActivations``: exporters spell GELU/SiLU/HardSwish as arithmetic; one op fuses
    as an epilogue, five ops with a diamond do not. ``SimplifyPoolCeilMode``: a ``ceil_mode`` pool
    whose windows rounding up does not change loses the flag (and TOPI's padded copy of its input).
 3. ``HorizontalFuse``: sibling GEMMs/convs over one input become one (Q/K/V -> one GEMM + split).

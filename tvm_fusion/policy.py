@@ -111,7 +111,7 @@ FLOPS_PER_ELEMENT: dict[str, float] = {
     "nn.gelu": 14,
     "nn.gelu_tanh": 12,
     "nn.silu": 5,
-    "nn.hardswish": 4,
+    "nn.hardswish": 5,
     "sigmoid": 4,
     "tanh": 6,
     "erf": 8,

@@ -7,7 +7,8 @@ subgraph to ``R.nn.gelu(x)`` (same formula after legalisation) makes it a plain 
 GPT-2's tanh form ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` becomes
 ``R.nn.gelu_tanh(x)`` (its ``x**3`` was a ``powf`` call per element, 18% of GPT-2's time); other
 ``x ** 2`` / ``x ** 3`` become products. Likewise ``x * sigmoid(x)`` becomes ``R.nn.silu(x)``,
-ONNX HardSwish's ``x * (clip(x + 3, 0, 6) / 6)`` becomes ``R.nn.hardswish`` (an op of ours,
+ONNX HardSwish's ``x * (clip(x + 3, 0, 6) / 6)`` (opset 14 on; older exports write
+``x * HardSigmoid(x)``, left as it is) becomes ``R.nn.hardswish`` (an op of ours,
 ``tvm_fusion/ops.py``), and the Relax ONNX frontend's Clip, which it
 emits as opaque ``call_tir(maximum)`` / ``call_tir(minimum)`` TE kernels, becomes ``R.clip`` (or
 ``R.maximum`` / ``R.minimum``), so later passes see a named elementwise op instead of a black box.
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
@@ -262,7 +262,9 @@ class CanonicalizeActivations:
                 new_func = _rewrite(func, mod)
                 if new_func is None:
                     break
-                func = mod[gvar] = relax.transform.Normalize()(tvm.IRModule({gvar: new_func}))[gvar]
+                mod[gvar] = new_func
+                mod = relax.transform.Normalize()(mod)
+                func = mod[gvar]
                 changed = True
         if not changed:
             return mod
@@ -287,7 +289,7 @@ def _rewrite(func: relax.Function, mod: tvm.IRModule | None = None) -> relax.Fun
                     replacement = _match_small_power(binding.var, var2val)
                 if replacement is None:
                     replacement = _match_clip(binding.var, var2val, mod)
-                if replacement is not None and np.dtype(str(binding.var.ty.dtype)).kind == "f":
+                if replacement is not None and str(binding.var.ty.dtype).startswith(("float", "bfloat")):
                     binding = relax.VarBinding(binding.var, replacement)
                     changed = True
             bindings.append(binding)
