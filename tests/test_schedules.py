@@ -894,14 +894,23 @@ def test_fast_exp_legalizations_have_no_libm_calls_and_are_switchable(op, name, 
     np.testing.assert_allclose(_run(_scheduled(mod), [x]), expected, rtol=3e-6, atol=1e-7)
 
 
-def test_global_mean_reduces_along_the_plane_in_simd_lanes():
+@pytest.mark.parametrize("plane", [(14, 16), (13, 13), (7, 7), (14, 14)])
+def test_global_mean_reduces_along_the_plane_in_simd_lanes(plane):
     """A mean over H x W (squeeze-excitation's pool) is parallel over channels and sums the
-    contiguous plane in vector lanes (rfactor), not a contraction gathering across channels."""
-    mod = _module({"x": (1, 24, 14, 16)}, lambda bb, x: relax.op.mean(x, [2, 3], keepdims=True))
-    x = _rand(1, 24, 14, 16)
+    contiguous plane in vector lanes (rfactor), not a contraction gathering across channels;
+    a plane that is no whole number of vectors (13x13, 7x7) sums in as many lanes as divide it."""
+    from tvm_fusion.schedules._util import vector_lanes
+
+    lanes = vector_lanes(ZNVER3, "float32")
+    size = plane[0] * plane[1]
+    width = lanes if size % lanes == 0 else max(v for v in range(4, 17) if size % v == 0)
+    mod = _module({"x": (1, 24, *plane)}, lambda bb, x: relax.op.mean(x, [2, 3], keepdims=True))
+    x = _rand(1, 24, *plane)
     sched = _check(mod, [x], rtol=1e-5, atol=1e-6)
     (func,) = _prim_funcs(sched).values()
     assert "_rf" in func.script(), func  # the lanes' partial sums
+    vectorized = [int(lp.extent) for lp in collect_loops(func) if lp.kind == tirx.ForKind.VECTORIZED]
+    assert width in vectorized, func
     par = [lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.PARALLEL]
     assert par and int(par[0].extent) == 24
     np.testing.assert_allclose(_run(sched, [x]), x.mean(axis=(2, 3), keepdims=True), rtol=1e-5, atol=1e-6)
