@@ -894,26 +894,38 @@ def test_fast_exp_legalizations_have_no_libm_calls_and_are_switchable(op, name, 
     np.testing.assert_allclose(_run(_scheduled(mod), [x]), expected, rtol=3e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("plane", [(14, 16), (13, 13), (7, 7), (14, 14)])
-def test_global_mean_reduces_along_the_plane_in_simd_lanes(plane):
-    """A mean over H x W (squeeze-excitation's pool) is parallel over channels and sums the
-    contiguous plane in vector lanes (rfactor), not a contraction gathering across channels;
-    a plane that is no whole number of vectors (13x13, 7x7) sums in as many lanes as divide it."""
-    from tvm_fusion.schedules._util import vector_lanes
-
-    lanes = vector_lanes(ZNVER3, "float32")
-    size = plane[0] * plane[1]
-    width = lanes if size % lanes == 0 else max(v for v in range(4, 17) if size % v == 0)
-    mod = _module({"x": (1, 24, *plane)}, lambda bb, x: relax.op.mean(x, [2, 3], keepdims=True))
-    x = _rand(1, 24, *plane)
-    sched = _check(mod, [x], rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize(
+    "op, plane, width",
+    [
+        ("mean", (14, 16), 8),  # whole AVX2 vectors (the tests' target is znver3)
+        ("mean", (13, 13), 13),
+        ("mean", (7, 7), 7),
+        ("mean", (14, 14), 14),
+        ("max", (13, 13), 13),
+        ("sum", (7, 7), 7),
+        ("mean", (19, 19), None),  # no divisor from 4 to 16: one scalar chain
+    ],
+)
+def test_global_reduction_sums_the_plane_in_simd_lanes(op, plane, width):
+    """A mean / max / sum over H x W (squeeze-excitation's pool) is parallel over channels and
+    reduces the contiguous plane in vector lanes (rfactor), not a contraction gathering across
+    channels; a plane that is no whole number of vectors (13x13, 7x7) uses as many lanes as
+    divide it."""
+    reduce = getattr(relax.op, op)
+    mod = _module({"x": (1, 24, *plane)}, lambda bb, x: reduce(x, [2, 3], keepdims=True))
+    x = _rand(1, 24, *plane) - 3.0  # all negative: a max that started from 0 would show
+    sched = _check(mod, [x], rtol=1e-5, atol=1e-5, need_vector=width is not None)
     (func,) = _prim_funcs(sched).values()
-    assert "_rf" in func.script(), func  # the lanes' partial sums
     vectorized = [int(lp.extent) for lp in collect_loops(func) if lp.kind == tirx.ForKind.VECTORIZED]
-    assert width in vectorized, func
+    if width is None:
+        assert "_rf" not in func.script() and not vectorized, func
+    else:
+        assert "_rf" in func.script(), func  # the lanes' partial sums
+        assert width in vectorized, func
     par = [lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.PARALLEL]
     assert par and int(par[0].extent) == 24
-    np.testing.assert_allclose(_run(sched, [x]), x.mean(axis=(2, 3), keepdims=True), rtol=1e-5, atol=1e-6)
+    expected = getattr(x.astype("float64"), op)(axis=(2, 3), keepdims=True)
+    np.testing.assert_allclose(_run(sched, [x]), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("exponent", [2.0, 3.0, 2.5])

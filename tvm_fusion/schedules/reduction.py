@@ -26,7 +26,7 @@ from ._util import (
 )
 from .contraction import _reads_varying_with_reduction, _vectorize_row_inner
 
-MAX_PARTIAL_SUMS = 16  # lanes of a ragged plane's sum: two AVX2 vectors, one AVX-512 vector
+MAX_PARTIAL_SUMS = 16  # lanes of a ragged plane's float32 sum: two AVX2 vectors, one AVX-512
 
 
 class RowReduction(ScheduleRule):
@@ -104,17 +104,17 @@ class PlainReduction(CpuRule):
 
 def _partial_sums(extent: int | None, lanes: int) -> int | None:
     """How many partial sums (vector lanes) the reduction keeps: a full vector when ``lanes``
-    divides the extent, else the widest divisor of it from 4 to 16 (13 for a 13x13 plane, 7 for
-    7x7, 14 for 14x14: LLVM splits or widens the odd vector), None when there is none. Without lanes the
-    sum is one scalar chain, an add latency per element: 1000 channels' 13x13 mean 0.057 ms ->
-    0.023, 1280x7x7 0.046 -> 0.021, 672x14x14 0.052 -> 0.009 (2 threads, znver4)."""
+    divides the extent, else the widest divisor of it from 4 to ``MAX_PARTIAL_SUMS`` that still
+    leaves two steps (13 for a 13x13 plane, 7 for 7x7, 14 for 14x14: LLVM splits or widens the
+    odd vector); None when there is none (a 19x19 plane, tiny ones: one scalar chain). Without
+    lanes the sum is one scalar chain, an add latency per element: 1000 channels' 13x13 mean
+    0.057 ms -> 0.023, 1280x7x7 0.046 -> 0.021, 672x14x14 0.052 -> 0.009 (2 threads, znver4)."""
     if extent is None:
         return None
-    widest = max(lanes, MAX_PARTIAL_SUMS)
-    width = (
-        lanes if extent % lanes == 0 else max((v for v in range(4, widest + 1) if extent % v == 0), default=0)
-    )
-    return width if width and extent >= 2 * width else None
+    if extent % lanes == 0 and extent >= 2 * lanes:
+        return lanes
+    fits = [v for v in range(4, MAX_PARTIAL_SUMS + 1) if extent % v == 0 and extent >= 2 * v]
+    return fits[-1] if fits else None
 
 
 def _contiguous(region, r_vars) -> bool:
