@@ -33,6 +33,11 @@ def static_shape(expr) -> tuple[int, ...] | None:
     return None if dims is None or any(d is None for d in dims) else dims
 
 
+def is_float_dtype(dtype) -> bool:
+    """float16/32/64 or bfloat16 (``np.dtype`` does not know bfloat16)."""
+    return str(dtype).startswith(("float", "bfloat"))
+
+
 def dtype_of(expr) -> str | None:
     ty = tensor_type(expr)
     return None if ty is None else str(ty.dtype)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax, te, tirx
 
+from .ir import is_float_dtype
+
 HARDSWISH = "relax.nn.hardswish"
 
 
@@ -26,7 +28,7 @@ def _same_type(call, _ctx):
     if len(call.args) != 1:
         raise ValueError(f"{HARDSWISH} takes one tensor, got {len(call.args)} arguments")
     ty = call.args[0].ty
-    if not isinstance(ty, relax.TensorType) or not str(ty.dtype).startswith(("float", "bfloat")):
+    if not isinstance(ty, relax.TensorType) or not is_float_dtype(ty.dtype):
         raise ValueError(f"{HARDSWISH} needs a floating-point tensor, got {ty}")
     return ty
 

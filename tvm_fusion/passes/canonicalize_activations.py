@@ -26,7 +26,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ..ir import graph_functions
+from ..ir import graph_functions, is_float_dtype
 from ..ops import hardswish
 
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -289,7 +289,7 @@ def _rewrite(func: relax.Function, mod: tvm.IRModule | None = None) -> relax.Fun
                     replacement = _match_small_power(binding.var, var2val)
                 if replacement is None:
                     replacement = _match_clip(binding.var, var2val, mod)
-                if replacement is not None and str(binding.var.ty.dtype).startswith(("float", "bfloat")):
+                if replacement is not None and is_float_dtype(binding.var.ty.dtype):
                     binding = relax.VarBinding(binding.var, replacement)
                     changed = True
             bindings.append(binding)

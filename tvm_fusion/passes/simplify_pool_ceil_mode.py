@@ -19,7 +19,7 @@ import re
 import tvm
 from tvm import relax
 
-from ..ir import graph_functions, with_functions
+from ..ir import graph_functions, static_shape, with_functions
 
 __all__ = ["SimplifyPoolCeilMode"]
 
@@ -30,22 +30,12 @@ _POOLS = {
 }
 
 
-def _static_shape(expr) -> list[int] | None:
-    shape = getattr(expr.ty, "shape", None)
-    if not isinstance(shape, relax.ShapeExpr):
-        return None
-    try:
-        return [int(d) for d in shape.values]
-    except (TypeError, ValueError):
-        return None
-
-
 def ceil_mode_is_noop(call: relax.Call) -> bool:
     """True if the pool has ``ceil_mode`` set and rounding down would give the same windows."""
     attrs = call.attrs
     if not bool(attrs.ceil_mode):
         return False
-    shape = _static_shape(call.args[0])
+    shape = static_shape(call.args[0])
     if shape is None:
         return False
     axes = re.findall(r"\d*[A-Za-z]", str(attrs.layout))  # "NCHW16c" -> N, C, H, W, 16c
