@@ -21,7 +21,7 @@ from .errors import TargetError, TvmFusionError, last_line
 from .frontend import ImportedModel, as_imported
 from .loaded import LoadedModel, check_input, load  # noqa: F401  (re-exported)
 from .module_file import export_library
-from .pipeline import build_pipeline, pipeline_passes, pipeline_stages, run_passes
+from .pipeline import build_pipeline, pipeline_passes, pipeline_stages, run_passes, tir_pipeline
 from .report import Summary, summarize
 from .shape_cache import add_shape_buckets
 from .targets import check_can_build, parse_target, target_json
@@ -132,7 +132,9 @@ def build(
     tuned = _scheduled_count(mod) - ready
     mod = run_passes(mod, stages.default, target, imported.name)
     try:
-        executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target))
+        executable = tvm.compile(
+            mod, target=target, relax_pipeline=build_pipeline(target), tir_pipeline=tir_pipeline(target)
+        )
     except Exception as err:
         raise TvmFusionError(
             f"compiling {imported.name} for {target.kind.name} failed: {last_line(err)}"

@@ -50,6 +50,7 @@ from .passes import (
     RewriteLayout,
     SimplifyPoolCeilMode,
 )
+from .passes.stack_allocate_loop_buffers import PIPELINE_NAME as STACK_PIPELINE
 from .policy import FusionPolicy
 from .schedules import LowerAttention, default_schedule_passes, mark_prepackable
 from .targets import parse_target
@@ -237,6 +238,13 @@ def build_pipeline(target) -> tvm.transform.Pass:
     target = parse_target(target)
     lower = relax.get_default_pipeline(target) if "gpu" in target.keys else relax.get_pipeline("default")
     return tvm.transform.Sequential([lower, MarkSingleBufferNoAlias()], name="tvm_fusion_lower")
+
+
+def tir_pipeline(target) -> str:
+    """The TIR pipeline for ``tvm.compile(lowered, target, tir_pipeline=...)``: on CPUs TVM's
+    default with ``StackAllocateLoopBuffers`` (per-task scratch on the stack, not the workspace
+    pool), elsewhere TVM's default."""
+    return STACK_PIPELINE if parse_target(target).kind.name == "llvm" else "default"
 
 
 @relax.register_pipeline("tvm_fusion")

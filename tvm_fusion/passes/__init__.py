@@ -11,6 +11,7 @@ from .mark_single_buffer_noalias import MarkSingleBufferNoAlias
 from .pad_conv_channels import PadConvChannels
 from .rewrite_layout import RewriteLayout, count_layout_transforms
 from .simplify_pool_ceil_mode import SimplifyPoolCeilMode
+from .stack_allocate_loop_buffers import StackAllocateLoopBuffers
 
 __all__ = [
     "ApplyFusionPolicy",
@@ -24,6 +25,7 @@ __all__ = [
     "PadConvChannels",
     "RewriteLayout",
     "SimplifyPoolCeilMode",
+    "StackAllocateLoopBuffers",
     "attention_decisions",
     "count_layout_transforms",
     "explain",

@@ -1,0 +1,90 @@
+import re
+
+import numpy as np
+import pytest
+import tvm
+from conftest import ort_run
+from onnx import TensorProto, helper, numpy_helper
+
+import tvm_fusion.passes.stack_allocate_loop_buffers as stack
+from tvm_fusion import build
+from tvm_fusion.pipeline import tir_pipeline
+from tvm_fusion.targets import llvm_target
+
+
+def depthwise_then_pointwise():
+    """x -> depthwise 3x3 stride 2 (+bias, relu) -> 1x1 conv 32->48 (+bias): the depthwise
+    task's padded / polyphase rows and the 1x1 conv's accumulator tile are per-task buffers."""
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((32, 1, 3, 3)).astype("float32"), "dw"),
+        numpy_helper.from_array(rng.standard_normal(32).astype("float32"), "dwb"),
+        numpy_helper.from_array(rng.standard_normal((48, 32, 1, 1)).astype("float32") * 0.2, "pw"),
+        numpy_helper.from_array(rng.standard_normal(48).astype("float32"), "pwb"),
+    ]
+    nodes = [
+        helper.make_node(
+            "Conv", ["x", "dw", "dwb"], ["d"], kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4, group=32
+        ),
+        helper.make_node("Relu", ["d"], ["r"]),
+        helper.make_node("Conv", ["r", "pw", "pwb"], ["y"], kernel_shape=[1, 1]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "dw_pw",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 56, 56])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 48, 28, 28])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    feeds = {"x": rng.standard_normal((1, 32, 56, 56)).astype("float32")}
+    return model, feeds
+
+
+def workspace_calls(func, pipeline: str) -> int:
+    """Calls to TVMBackendAllocWorkspace in the LLVM IR of ``func`` built with ``pipeline``."""
+    target = tvm.target.Target(llvm_target())
+    lib = tvm.tirx.build(func.with_attr("global_symbol", "main"), target=target, pipeline=pipeline)
+    return len(re.findall(r"load ptr, ptr @__TVMBackendAllocWorkspace", lib.inspect_source("ll")))
+
+
+@pytest.fixture(scope="module")
+def built():
+    model, feeds = depthwise_then_pointwise()
+    return build(model, llvm_target(), name="dw_pw", tuning_logs=None), model, feeds
+
+
+def kernels(result):
+    return [f for f in result.lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+
+
+def test_per_task_buffers_leave_the_workspace_pool(built):
+    result, _, _ = built
+    funcs = kernels(result)
+    before = [workspace_calls(f, "default") for f in funcs]
+    after = [workspace_calls(f, stack.PIPELINE_NAME) for f in funcs]
+    assert sum(before) >= 2, before  # the depthwise rows (and the conv's tile) use the pool in TVM's pipeline
+    assert after == [0] * len(funcs), after
+
+
+def test_buffers_over_the_limit_stay_in_the_pool(built, monkeypatch):
+    result, _, _ = built
+    monkeypatch.setattr(stack, "MAX_STACK_BYTES", 0)
+    funcs = kernels(result)
+    assert [workspace_calls(f, stack.PIPELINE_NAME) for f in funcs] == [
+        workspace_calls(f, "default") for f in funcs
+    ]
+
+
+def test_stack_buffers_give_the_same_numbers(built):
+    result, model, feeds = built
+    vm = tvm.relax.VirtualMachine(result.executable, tvm.cpu())
+    out = vm["main"](tvm.runtime.tensor(feeds["x"])).numpy()
+    ref = ort_run(model, feeds)
+    assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5
+
+
+def test_only_cpu_builds_use_the_stack_pipeline():
+    assert tir_pipeline(llvm_target()) == stack.PIPELINE_NAME
+    assert tir_pipeline({"kind": "cuda", "arch": "sm_80"}) == "default"
