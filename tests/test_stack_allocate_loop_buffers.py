@@ -8,7 +8,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import tvm_fusion.passes.stack_allocate_loop_buffers as stack
 from tvm_fusion import build
-from tvm_fusion.pipeline import tir_pipeline
+from tvm_fusion.passes import StackAllocateLoopBuffers
+from tvm_fusion.pipeline import CPU_TIR_PIPELINE, tir_pipeline
 from tvm_fusion.targets import llvm_target
 
 
@@ -63,7 +64,7 @@ def test_per_task_buffers_leave_the_workspace_pool(built):
     result, _, _ = built
     funcs = kernels(result)
     before = [workspace_calls(f, "default") for f in funcs]
-    after = [workspace_calls(f, stack.PIPELINE_NAME) for f in funcs]
+    after = [workspace_calls(f, CPU_TIR_PIPELINE) for f in funcs]
     # the depthwise task's padded and polyphase rows ("global" scope) leave the pool; its
     # accumulators ("local") stay in it
     assert sum(before) - sum(after) >= 2, (before, after)
@@ -87,14 +88,14 @@ def test_local_accumulators_of_long_reductions_stay_in_the_pool():
     funcs = kernels(build(model, llvm_target(), name="gemm", tuning_logs=None))
     before = [workspace_calls(f, "default") for f in funcs]
     assert sum(before) >= 1, before  # the tile's local accumulators
-    assert [workspace_calls(f, stack.PIPELINE_NAME) for f in funcs] == before
+    assert [workspace_calls(f, CPU_TIR_PIPELINE) for f in funcs] == before
 
 
 def test_buffers_over_the_limit_stay_in_the_pool(built, monkeypatch):
     result, _, _ = built
-    monkeypatch.setattr(stack, "MAX_STACK_BYTES", 0)
+    monkeypatch.setattr(stack, "MAX_FRAME_BYTES", 0)
     funcs = kernels(result)
-    assert [workspace_calls(f, stack.PIPELINE_NAME) for f in funcs] == [
+    assert [workspace_calls(f, CPU_TIR_PIPELINE) for f in funcs] == [
         workspace_calls(f, "default") for f in funcs
     ]
 
@@ -107,6 +108,24 @@ def test_stack_buffers_give_the_same_numbers(built):
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5
 
 
+def test_build_compiles_cpu_kernels_with_the_pass(monkeypatch):
+    """``build`` itself must run the pass (not only a hand-made ``tirx.build``)."""
+    annotated = []
+    real = stack._Rewriter._alloc
+
+    def spy(self, stmt, in_loop):
+        new = real(self, stmt, in_loop)
+        if not new.same_as(stmt):
+            annotated.append(stmt.buffer.name)
+        return new
+
+    monkeypatch.setattr(stack._Rewriter, "_alloc", spy)
+    model, _ = depthwise_then_pointwise()
+    build(model, llvm_target(), name="dw_pw_spy", tuning_logs=None)
+    assert any("pad" in name for name in annotated), annotated
+
+
 def test_only_cpu_builds_use_the_stack_pipeline():
-    assert tir_pipeline(llvm_target()) == stack.PIPELINE_NAME
+    assert tir_pipeline(llvm_target()) == CPU_TIR_PIPELINE
     assert tir_pipeline({"kind": "cuda", "arch": "sm_80"}) == "default"
+    assert StackAllocateLoopBuffers().info.name == "StackAllocateLoopBuffers"

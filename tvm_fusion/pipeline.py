@@ -22,8 +22,8 @@ Order, and why:
 7. Schedules: constant weights marked layout-free, tuned records (``MetaScheduleApplyDatabase``),
    default (dlight-style) rules for the rest, packed weights folded into constants.
 
-The result is a lowered Relax module; ``tvm.compile(mod, target, relax_pipeline=build_pipeline(target))``
-finishes the build (plain ``tvm.compile`` too, except for modules with symbolic shapes: see
+The result is a lowered Relax module; ``tvm.compile(mod, target, relax_pipeline=build_pipeline(target),
+tir_pipeline=tir_pipeline(target))`` finishes the build (plain ``tvm.compile`` too, except for modules with symbolic shapes: see
 ``MarkSingleBufferNoAlias``).
 """
 
@@ -49,8 +49,8 @@ from .passes import (
     PadConvChannels,
     RewriteLayout,
     SimplifyPoolCeilMode,
+    StackAllocateLoopBuffers,
 )
-from .passes.stack_allocate_loop_buffers import PIPELINE_NAME as STACK_PIPELINE
 from .policy import FusionPolicy
 from .schedules import LowerAttention, default_schedule_passes, mark_prepackable
 from .targets import parse_target
@@ -240,11 +240,28 @@ def build_pipeline(target) -> tvm.transform.Pass:
     return tvm.transform.Sequential([lower, MarkSingleBufferNoAlias()], name="tvm_fusion_lower")
 
 
+CPU_TIR_PIPELINE = "tvm_fusion_cpu"
+
+
+def _cpu_tir_pipeline():
+    """TVM's default TIR pipeline with ``StackAllocateLoopBuffers`` right before
+    ``LowerTVMBuiltin`` (the factory protocol of ``tvm.tirx.register_tir_pipeline``)."""
+    lower, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
+
+    def host_passes():
+        return tvm.transform.Sequential([StackAllocateLoopBuffers(), finalize_host()])
+
+    return lower, host_passes, finalize_device
+
+
+tvm.tirx.register_tir_pipeline(CPU_TIR_PIPELINE, _cpu_tir_pipeline)
+
+
 def tir_pipeline(target) -> str:
-    """The TIR pipeline for ``tvm.compile(lowered, target, tir_pipeline=...)``: on CPUs TVM's
-    default with ``StackAllocateLoopBuffers`` (per-task scratch on the stack, not the workspace
-    pool), elsewhere TVM's default."""
-    return STACK_PIPELINE if parse_target(target).kind.name == "llvm" else "default"
+    """The TIR pipeline for ``tvm.compile(lowered, target, tir_pipeline=...)``: on CPUs
+    ``"tvm_fusion_cpu"``, TVM's default with ``StackAllocateLoopBuffers`` (per-task scratch on
+    the stack, not in the workspace pool); elsewhere TVM's default."""
+    return CPU_TIR_PIPELINE if parse_target(target).kind.name == "llvm" else "default"
 
 
 @relax.register_pipeline("tvm_fusion")

@@ -12,10 +12,10 @@ ran 6 % faster (mobilenet_v3_small 5 %, efficientnet_b0 3.4 %, squeezenet1_1 2 %
 ``LowerTVMBuiltin`` leaves an ``AllocBuffer`` annotated ``disable_lower_builtin`` alone, and LLVM
 codegen makes it an ``alloca`` in the entry block of the function that holds it: for a buffer
 inside a parallel loop that is the loop's outlined body, so one allocation per thread and kernel
-call instead of one per task. This pass sets the annotation on every constant-size buffer of at
-most ``MAX_STACK_BYTES`` of ``global`` scope allocated inside a loop of a CPU function (see
-``STACK_SCOPES``); it runs right before
-``LowerTVMBuiltin`` (:func:`cpu_tir_pipeline`).
+call instead of one per task. This pass sets the annotation on the constant-size ``global`` buffers
+(see ``STACK_SCOPES``) allocated inside a loop of a CPU function, while the function's stack
+frame stays within ``MAX_FRAME_BYTES``; it runs right before ``LowerTVMBuiltin`` in the TIR
+pipeline ``tvm_fusion.pipeline.tir_pipeline`` names for CPU builds.
 """
 
 from __future__ import annotations
@@ -25,92 +25,100 @@ import math
 import tvm
 from tvm import tirx
 
+__all__ = ["StackAllocateLoopBuffers"]
+
 DISABLE_LOWER_BUILTIN = "disable_lower_builtin"  # TVM's tirx::transform::kDisableLowerTVMBuiltin
-# Worker threads have the default 8 MiB stack; a task's scratch is a few KiB (the largest seen in
-# the zoo is 37 KiB, a 7x7 depthwise task's padded rows).
-MAX_STACK_BYTES = 64 << 10
-PIPELINE_NAME = "tvm_fusion_cpu"
+# Every annotated buffer is its own alloca in the function's entry block (no lifetime markers;
+# UnrollLoop may have copied an allocation), and a thread's stack can be as small as 512 KiB (a
+# Python thread on macOS runs the parallel loop's first task): a budget per function. A task's
+# scratch is a few KiB (the largest seen in the zoo, a 7x7 depthwise task's padded rows, 37 KiB).
+MAX_FRAME_BYTES = 256 << 10
 # Only ``global`` buffers: the schedules give that scope to short accumulator tiles and to the
 # depthwise rows. A ``local`` accumulator tile lives across a long reduction loop, and as an
 # alloca LLVM rewrote it into code 7x slower (convnext_tiny's 8x48 GEMM tiles, K = 384: 1.16 ->
 # 8.4 ms; the whole model 5.3x slower) than through the workspace pointer it cannot see into.
 STACK_SCOPES = ("global",)
+ALLOCA_ALIGN = 64
 
 
 def _stack_bytes(buffer) -> int | None:
-    """The buffer's size in bytes when its shape is constant, else None."""
-    dims = [d for d in buffer.shape]
+    """The buffer's size in bytes (rounded up to the alloca alignment) when its shape is
+    constant, else None."""
+    dims = list(buffer.shape)
     if not all(isinstance(d, tirx.IntImm) for d in dims):
         return None
     dtype = tvm.DataType(str(buffer.dtype))
-    return math.prod(int(d) for d in dims) * dtype.bits * dtype.lanes // 8
+    size = math.prod(int(d) for d in dims) * dtype.bits * dtype.lanes // 8
+    return -(-size // ALLOCA_ALIGN) * ALLOCA_ALIGN
 
 
-def _rewrite(stmt, in_loop: bool):
-    """``stmt`` with the in-loop buffers annotated; the same object where nothing changed."""
-    if isinstance(stmt, tirx.AllocBuffer):
+class _Rewriter:
+    """Rebuilds the statements on the way to each annotated ``AllocBuffer`` (this TVM has no
+    Python ``ir_transform``); statement kinds it does not know are kept as they are."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+
+    def visit(self, stmt, in_loop: bool):
+        """``stmt`` with its in-loop buffers annotated; the same object where nothing changed."""
+        if isinstance(stmt, tirx.AllocBuffer):
+            return self._alloc(stmt, in_loop)
+        if isinstance(stmt, tirx.SeqStmt):
+            seq = [self.visit(s, in_loop) for s in stmt.seq]
+            changed = any(not new.same_as(old) for new, old in zip(seq, stmt.seq))
+            return tirx.SeqStmt(seq) if changed else stmt
+        if isinstance(stmt, tirx.For):
+            body = self.visit(stmt.body, True)
+            if body.same_as(stmt.body):
+                return stmt
+            return tirx.For(
+                stmt.loop_var,
+                stmt.min,
+                stmt.extent,
+                stmt.kind,
+                body,
+                stmt.thread_binding,
+                stmt.annotations,
+                stmt.step,
+            )
+        if isinstance(stmt, tirx.AttrStmt):
+            body = self.visit(stmt.body, in_loop)
+            return (
+                stmt if body.same_as(stmt.body) else tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body)
+            )
+        if isinstance(stmt, tirx.IfThenElse):
+            then_case = self.visit(stmt.then_case, in_loop)
+            else_case = None if stmt.else_case is None else self.visit(stmt.else_case, in_loop)
+            if then_case.same_as(stmt.then_case) and (else_case is None or else_case.same_as(stmt.else_case)):
+                return stmt
+            return tirx.IfThenElse(stmt.condition, then_case, else_case)
+        return stmt  # leaves (stores, evaluates, binds, declarations) and anything else: unchanged
+
+    def _alloc(self, stmt, in_loop: bool):
         size = _stack_bytes(stmt.buffer)
         annotations = dict(stmt.annotations or {})
         if (
             not in_loop
             or size is None
-            or size > MAX_STACK_BYTES
+            or size > self.budget
             or stmt.buffer.scope() not in STACK_SCOPES
             or DISABLE_LOWER_BUILTIN in annotations
         ):
             return stmt
+        self.budget -= size
         annotations[DISABLE_LOWER_BUILTIN] = tirx.IntImm("bool", 1)
         return tirx.AllocBuffer(stmt.buffer, annotations)
-    if isinstance(stmt, tirx.SeqStmt):
-        seq = [_rewrite(s, in_loop) for s in stmt.seq]
-        changed = any(not new.same_as(old) for new, old in zip(seq, stmt.seq))
-        return tirx.SeqStmt(seq) if changed else stmt
-    if isinstance(stmt, tirx.For):
-        body = _rewrite(stmt.body, True)
-        if body.same_as(stmt.body):
-            return stmt
-        return tirx.For(
-            stmt.loop_var,
-            stmt.min,
-            stmt.extent,
-            stmt.kind,
-            body,
-            stmt.thread_binding,
-            stmt.annotations,
-            stmt.step,
-        )
-    if isinstance(stmt, tirx.AttrStmt):
-        body = _rewrite(stmt.body, in_loop)
-        return stmt if body.same_as(stmt.body) else tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body)
-    if isinstance(stmt, tirx.IfThenElse):
-        then_case = _rewrite(stmt.then_case, in_loop)
-        else_case = None if stmt.else_case is None else _rewrite(stmt.else_case, in_loop)
-        if then_case.same_as(stmt.then_case) and (else_case is None or else_case.same_as(stmt.else_case)):
-            return stmt
-        return tirx.IfThenElse(stmt.condition, then_case, else_case)
-    return stmt  # leaves (stores, evaluates, binds, declarations) and anything else: unchanged
 
 
-@tirx.transform.prim_func_pass(opt_level=0, name="tvm_fusion.StackAllocateLoopBuffers")
-def StackAllocateLoopBuffers(func, _mod, _ctx):  # noqa: N802 (a pass, named like TVM's)
+@tirx.transform.prim_func_pass(opt_level=0, name="StackAllocateLoopBuffers")
+class StackAllocateLoopBuffers:
     """Annotate the constant-size scratch buffers allocated inside loops of CPU functions so that
-    ``LowerTVMBuiltin`` leaves them to LLVM's stack (see the module docstring)."""
-    target = func.attrs.get("target") if func.attrs is not None else None
-    if target is not None and target.kind.name != "llvm":
-        return func
-    body = _rewrite(func.body, False)
-    return func if body.same_as(func.body) else func.with_body(body)
+    ``LowerTVMBuiltin`` leaves them to LLVM's stack (see the module docstring). Run it on lowered
+    TIR, right before ``LowerTVMBuiltin``."""
 
-
-def cpu_tir_pipeline():
-    """TVM's default TIR pipeline with :func:`StackAllocateLoopBuffers` before ``LowerTVMBuiltin``
-    (the pipeline factory protocol of ``tvm.tirx.register_tir_pipeline``)."""
-    lower, finalize_host, finalize_device = tvm.s_tir.pipeline.default_s_tir_pipeline()
-
-    def host_passes():
-        return tvm.transform.Sequential([StackAllocateLoopBuffers, finalize_host()])
-
-    return lower, host_passes, finalize_device
-
-
-tvm.tirx.compilation_pipeline.register_tir_pipeline(PIPELINE_NAME, cpu_tir_pipeline)
+    def transform_function(self, func, _mod, _ctx):
+        target = func.attrs.get("target") if func.attrs is not None else None
+        if target is not None and target.kind.name != "llvm":
+            return func
+        body = _Rewriter(MAX_FRAME_BYTES).visit(func.body, False)
+        return func if body.same_as(func.body) else func.with_body(body)
