@@ -33,11 +33,10 @@ DISABLE_LOWER_BUILTIN = "disable_lower_builtin"  # TVM's tirx::transform::kDisab
 # Python thread on macOS runs the parallel loop's first task): a budget per function. A task's
 # scratch is a few KiB (the largest seen in the zoo, a 7x7 depthwise task's padded rows, 37 KiB).
 MAX_FRAME_BYTES = 256 << 10
-# Only ``global`` buffers: the schedules give that scope to short accumulator tiles and to the
-# depthwise rows. A ``local`` accumulator tile lives across a long reduction loop, and as an
-# alloca LLVM rewrote it into code 7x slower (convnext_tiny's 8x48 GEMM tiles, K = 384: 1.16 ->
-# 8.4 ms; the whole model 5.3x slower) than through the workspace pointer it cannot see into.
-STACK_SCOPES = ("global",)
+# ``local`` too (the schedules' register tiles): LLVM keeps such an alloca in registers as long as
+# the tile is read in the SIMD-register pieces it was written in (``Contraction``'s epilogue
+# splits its vectors so: read as <48 x float>, a K=384 GEMM tile spilled 621 times, 7x slower).
+STACK_SCOPES = ("global", "local")
 ALLOCA_ALIGN = 64
 
 

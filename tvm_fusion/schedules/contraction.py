@@ -540,7 +540,14 @@ class Contraction(CpuRule):
                     inner, ext = moved
         lanes = vector_lanes(target)
         outer = [lp for lp, _ in nontrivial[:-1]]
-        if ext <= 4 * lanes:
+        if ext % lanes == 0 and ext > lanes:
+            # one SIMD register per vector op, as the micro-kernel wrote the tile: a wider read
+            # of a 16-lane-written tile (<48 x float>) makes LLVM spill the whole tile once it
+            # is an alloca (StackAllocateLoopBuffers: 621 spills, a K=384 GEMM 7x slower)
+            inner_o, inner = sch.split(inner, factors=[None, lanes])
+            try_primitive(sch.vectorize, inner)
+            outer.append(inner_o)
+        elif ext <= 4 * lanes:
             try_primitive(sch.vectorize, inner)
         else:
             width = (
