@@ -12,8 +12,8 @@ ran 6 % faster (mobilenet_v3_small 5 %, efficientnet_b0 3.4 %, squeezenet1_1 2 %
 ``LowerTVMBuiltin`` leaves an ``AllocBuffer`` annotated ``disable_lower_builtin`` alone, and LLVM
 codegen makes it an ``alloca`` in the entry block of the function that holds it: for a buffer
 inside a parallel loop that is the loop's outlined body, so one allocation per thread and kernel
-call instead of one per task. This pass sets the annotation on the constant-size ``global`` buffers
-(see ``STACK_SCOPES``) allocated inside a loop of a CPU function, while the function's stack
+call instead of one per task. This pass sets the annotation on the constant-size buffers (of the
+scopes in ``STACK_SCOPES``) allocated inside a loop of a CPU function, while the function's stack
 frame stays within ``MAX_FRAME_BYTES``; it runs right before ``LowerTVMBuiltin`` in the TIR
 pipeline ``tvm_fusion.pipeline.tir_pipeline`` names for CPU builds.
 """
