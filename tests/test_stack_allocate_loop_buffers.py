@@ -143,3 +143,14 @@ def test_only_cpu_builds_use_the_stack_pipeline():
     assert tir_pipeline(llvm_target()) == CPU_TIR_PIPELINE
     assert tir_pipeline({"kind": "cuda", "arch": "sm_80"}) == "default"
     assert StackAllocateLoopBuffers().info.name == "StackAllocateLoopBuffers"
+
+
+def test_tuning_builds_candidates_like_the_build(built):
+    """Meta-Schedule's candidates are timed as they will ship: built with the same TIR pipeline."""
+    from tvm_fusion.tuning.workers import _worker_build
+
+    result, _, _ = built
+    target = tvm.target.Target(llvm_target())
+    for func in kernels(result):
+        lib = _worker_build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target)
+        assert "load ptr, ptr @__TVMBackendAllocWorkspace" not in lib.inspect_source("ll")

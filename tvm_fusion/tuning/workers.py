@@ -14,13 +14,13 @@ import shutil
 from typing import Any
 
 import tvm
-from tvm.driver import build as tvm_build
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.builder import local_builder
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from ..errors import TargetError
+from ..pipeline import tir_pipeline
 from ..targets import CUDA_DEFAULTS, is_gpu, target_json
 from .fleet import FleetRunner, Tracker, check_fleet
 from .packed_weights import candidate_args, kernel_as_built
@@ -36,8 +36,9 @@ _CUDA_TUNING_DEFAULTS = {
 
 def _worker_build(mod: tvm.IRModule, target: tvm.target.Target, _params=None):
     """Meta-Schedule's default_build minus its tensor_intrin import (the schedule is applied
-    already), with weight packing split off as the build does (``packed_weights``)."""
-    return tvm_build(kernel_as_built(mod), target=target)
+    already), with weight packing split off and the TIR pipeline as the build has them
+    (``packed_weights``; on CPUs per-task scratch on the stack, ``StackAllocateLoopBuffers``)."""
+    return tvm.tirx.build(kernel_as_built(mod), target=target, pipeline=tir_pipeline(target))
 
 
 @derived_object
