@@ -540,23 +540,21 @@ class Contraction(CpuRule):
                     inner, ext = moved
         lanes = vector_lanes(target)
         outer = [lp for lp, _ in nontrivial[:-1]]
-        if ext % lanes == 0 and ext > lanes:
+        if ext % lanes == 0:
             # one SIMD register per vector op, as the micro-kernel wrote the tile: a wider read
             # of a 16-lane-written tile (<48 x float>) makes LLVM spill the whole tile once it
             # is an alloca (StackAllocateLoopBuffers: 621 spills, a K=384 GEMM 7x slower)
-            inner_o, inner = sch.split(inner, factors=[None, lanes])
+            width = lanes if ext > lanes else None
+        elif ext <= 4 * lanes:
+            width = None  # one vector of the whole (ragged) extent
+        else:
+            width = max([d for d in divisors_upto(ext, lanes) if d >= 4] or [1])
+        if width is None:
+            try_primitive(sch.vectorize, inner)
+        elif width > 1:
+            inner_o, inner = sch.split(inner, factors=[None, width])
             try_primitive(sch.vectorize, inner)
             outer.append(inner_o)
-        elif ext <= 4 * lanes:
-            try_primitive(sch.vectorize, inner)
-        else:
-            width = (
-                lanes if ext % lanes == 0 else max([d for d in divisors_upto(ext, lanes) if d >= 4] or [1])
-            )
-            if width > 1:
-                inner_o, inner = sch.split(inner, factors=[None, width])
-                try_primitive(sch.vectorize, inner)
-                outer.append(inner_o)
         copies = 1
         for lp in reversed(outer):  # innermost first: they hold the tile's registers
             copies *= int_extent(sch, lp) or MAX_EPILOGUE_UNROLL + 1
