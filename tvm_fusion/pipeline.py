@@ -22,9 +22,10 @@ Order, and why:
 7. Schedules: constant weights marked layout-free, tuned records (``MetaScheduleApplyDatabase``),
    default (dlight-style) rules for the rest, packed weights folded into constants.
 
-The result is a lowered Relax module; ``tvm.compile(mod, target, relax_pipeline=build_pipeline(target),
-tir_pipeline=tir_pipeline(target))`` finishes the build (plain ``tvm.compile`` too, except for modules with symbolic shapes: see
-``MarkSingleBufferNoAlias``).
+The result is a lowered Relax module; ``tvm.compile(mod, target,
+relax_pipeline=build_pipeline(target), tir_pipeline=tir_pipeline(target))`` finishes the build
+(plain ``tvm.compile`` too, without the stack scratch of ``StackAllocateLoopBuffers``, except for
+modules with symbolic shapes: see ``MarkSingleBufferNoAlias``).
 """
 
 from __future__ import annotations
