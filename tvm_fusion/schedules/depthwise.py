@@ -133,6 +133,14 @@ class Depthwise(CpuRule):
         # TVM 0.27 cannot print a trace that uses it, which aborts Meta-Schedule's search)
         if "phase" in stages:
             sch.compute_at(stages["phase"], task, preserve_unit_loops=True)
+            # in the padded row's order (phase innermost, unrolled): LLVM then sees one
+            # interleaved load group and ``stride`` contiguous stores. Phase-major, it vectorized
+            # the short rows of small planes across rows with gathers and scatters instead
+            # (efficientnet_b0's 672x14x14 5x5: 0.108 -> 0.037 ms; mobilenet_v3's 288x14x14: 0.050
+            # -> 0.019 ms)
+            _, phase_r, phase_q = sch.get_loops(stages["phase"])[-3:]
+            sch.reorder(phase_q, phase_r)
+            sch.unroll(phase_r)
         sch.compute_at(pad, task, preserve_unit_loops=True)
         return sch
 
