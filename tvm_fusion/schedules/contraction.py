@@ -77,9 +77,11 @@ FMA_IN_FLIGHT = 8  # FMA latency (4 cycles) x FMA pipes (2): fewer accumulators 
 TILE_OVERHEAD_CYCLES = 100  # per tile: loop, accumulator init, pointer set-up (fitted on 1x1 convs)
 SHORT_STRIDE_PENALTY = 0.5  # per unit of stride: `stride` vector loads and shuffles per vector
 ODD_VECTOR_PENALTY = 3.0  # vector axis extent not a multiple of the SIMD width
-# With AVX-512 a partial vector is one masked load / FMA / store, so an odd vector costs only its
-# idle lanes: a 14x14 plane as 14 rows of 14 lanes (80->480 1x1 conv: 0.18 -> 0.08 ms against the
-# channel-lane tile and its transposing write-back)
+# With AVX-512 (float32) a partial vector computes in one register, its loads and stores masked
+# or split by LLVM, so a divisor above half a register is offered without ODD_VECTOR_PENALTY and
+# its idle lanes are not charged: a 14x14 plane as rows of 14 lanes (80->480 1x1 conv: 0.18 ->
+# 0.08 ms against channel lanes and their transposing write-back). Charging the idle lanes moved
+# no model ahead on balance (docs/performance.md).
 MASKED_ODD_VECTORS = True
 MAX_ROWS = 8
 MAX_PLAN_CHOICES = 32  # micro-kernel plans the tuner may pick from (the model's best first)
@@ -352,7 +354,7 @@ class Contraction(CpuRule):
         tile's cycles over the cycles its FMAs need at peak: 1.0 is FMA-bound.
         """
         lanes = vector_lanes(target, dtype)
-        masked = MASKED_ODD_VECTORS and vector_bits(target) == 512
+        masked = MASKED_ODD_VECTORS and vector_bits(target) == 512 and tvm.DataType(dtype).bits == 32
         per_line = CACHE_LINE_BYTES // (tvm.DataType(dtype).bits // 8)  # output values per cache line
         regs = num_vector_registers(target)
         max_acc = regs - 4
@@ -391,11 +393,15 @@ class Contraction(CpuRule):
             out_strided = access_class(out_region, v_it.var) != "contiguous"
             ext = v_it.dom
             vts = {m * lanes: 0.0 for m in (4, 3, 2, 1) if ext % (m * lanes) == 0}  # vt -> penalty
-            if not vts and masked:
-                vts = {d: 0.0 for d in divisors_upto(ext, lanes - 1) if 2 * d > lanes}
             if not vts:
-                # one register-sized (or smaller) vector: wider odd vectors become shuffles
-                vts = {d: ODD_VECTOR_PENALTY for d in [d for d in divisors_upto(ext, lanes) if d >= 2][-1:]}
+                odd = [d for d in divisors_upto(ext, lanes - 1) if 2 * d > lanes] if masked else []
+                if odd:  # the widest partial vector, its idle lanes not charged (MASKED_ODD_VECTORS)
+                    vts = {odd[-1]: 0.0}
+                else:
+                    # one register-sized (or smaller) vector: wider odd vectors become shuffles
+                    vts = {
+                        d: ODD_VECTOR_PENALTY for d in [d for d in divisors_upto(ext, lanes) if d >= 2][-1:]
+                    }
                 if ext > lanes and pad_ok(v_it):
                     # or the iteration padded to whole vectors (pad_einsum: zero-padded copies of
                     # the operands that v indexes, and a padded output cropped by the epilogue)
