@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tvm
@@ -11,6 +13,8 @@ from tvm_fusion import models
 from tvm_fusion.targets import llvm_target
 
 HAS_GPU = tvm.cuda(0).exist
+# builds for AVX-512 targets run only on such a host; elsewhere they are compiled and inspected
+HOST_HAS_AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
 requires_gpu = pytest.mark.skipif(
     not HAS_GPU, reason="no CUDA device on this machine: CUDA code is built and exported, not run"
 )

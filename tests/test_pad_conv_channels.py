@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import ort_run, run_executable
+from conftest import HOST_HAS_AVX512, ort_run, run_executable
 from tvm import relax, tirx
 
 import tvm_fusion
@@ -18,7 +18,6 @@ from tvm_fusion.targets import llvm_target
 
 ZNVER3 = llvm_target("znver3")  # 8 lanes
 SKYLAKE = llvm_target("skylake-avx512")  # 16 lanes
-HOST_HAS_AVX512 = "avx512f" in open("/proc/cpuinfo").read()
 
 
 def _model(cin, cout, size, kernel=1, residual=False, seed=0):
