@@ -78,11 +78,15 @@ TILE_OVERHEAD_CYCLES = 100  # per tile: loop, accumulator init, pointer set-up (
 SHORT_STRIDE_PENALTY = 0.5  # per unit of stride: `stride` vector loads and shuffles per vector
 ODD_VECTOR_PENALTY = 3.0  # vector axis extent not a multiple of the SIMD width
 # With AVX-512 (float32) a partial vector computes in one register, its loads and stores masked
-# or split by LLVM, so a divisor above half a register is offered without ODD_VECTOR_PENALTY and
-# its idle lanes are not charged: a 14x14 plane as rows of 14 lanes (80->480 1x1 conv: 0.18 ->
-# 0.08 ms against channel lanes and their transposing write-back). Charging the idle lanes moved
-# no model ahead on balance (docs/performance.md).
+# or split by LLVM, so a divisor above half a register is offered without ODD_VECTOR_PENALTY: a
+# 14x14 plane as rows of 14 lanes (80->480 1x1 conv: 0.18 -> 0.08 ms against channel lanes and
+# their transposing write-back).
 MASKED_ODD_VECTORS = True
+# Idle lanes of a partial vector are charged (cost per useful lane) when more than this many are
+# idle: 13-lane rows of a 13x13 plane lose to channel lanes (SqueezeNet's 512->1000 conv: 0.96 vs
+# 0.84 ms), 14-lane rows of a 14x14 plane mostly win (docs/performance.md).
+FREE_IDLE_LANES = 2
+WHOLE_VECTOR_EPILOGUE = True  # a tile's epilogue vectorizes a whole-vector loop (_schedule_tile_epilogue)
 MAX_ROWS = 8
 MAX_PLAN_CHOICES = 32  # micro-kernel plans the tuner may pick from (the model's best first)
 RAGGED_ROWS = True
@@ -101,6 +105,8 @@ L1_BYTES = 32 << 10
 PANEL_BYTES = L1_BYTES // 2
 MIN_CHUNK_STEPS = 32  # reduction steps per chunk: the accumulators reload once per chunk
 MIN_TILE_REUSE = 4  # tiles per parallel task that share one panel chunk
+MAX_IMBALANCE = 1.1  # parallel tasks over cores: 7 tasks on 2 cores leave 12% of the machine idle
+MAX_BLOCKED_IMBALANCE = 1.5  # beyond this, blocking is given up for parallelism (see _cache_block_plan)
 # Below this many multiply-adds a kernel runs single-threaded: waking the thread pool costs ~7 us
 # on these machines, more than the work (a 1x32x10 classifier GEMM: 7.6 us parallel, 0.04 us not).
 PARALLEL_MIN_MACS = 1 << 16
@@ -395,7 +401,7 @@ class Contraction(CpuRule):
             vts = {m * lanes: 0.0 for m in (4, 3, 2, 1) if ext % (m * lanes) == 0}  # vt -> penalty
             if not vts:
                 odd = [d for d in divisors_upto(ext, lanes - 1) if 2 * d > lanes] if masked else []
-                if odd:  # the widest partial vector, its idle lanes not charged (MASKED_ODD_VECTORS)
+                if odd:  # the widest partial vector (MASKED_ODD_VECTORS; idle lanes: FREE_IDLE_LANES)
                     vts = {odd[-1]: 0.0}
                 else:
                     # one register-sized (or smaller) vector: wider odd vectors become shuffles
@@ -440,7 +446,10 @@ class Contraction(CpuRule):
                         lines = _lines_written(vt, rt, out_strided, per_line)
                         write_back = scatter + WRITE_LINE_CYCLES * lines
                         tile = r_steps * step + TILE_OVERHEAD_CYCLES + write_back
-                        cost = pen + vt_pen + tile / (r_steps * acc / 2)
+                        # a partial vector's idle lanes do no work: cost per useful lane, once
+                        # more than FREE_IDLE_LANES of them idle
+                        idle = nvec * lanes / vt if nvec * lanes - vt > FREE_IDLE_LANES else 1.0
+                        cost = pen + vt_pen + idle * tile / (r_steps * acc / 2)
                         if row_it is not None and row_it.dom % rt:
                             # a ragged last tile (197 rows in tiles of 8): its rows past the end
                             # are skipped, but the tile costs as much as a full one
@@ -553,6 +562,22 @@ class Contraction(CpuRule):
                     nontrivial = nontrivial[:i] + after + [moved]
                     inner, ext = moved
         lanes = vector_lanes(target)
+        if ext % lanes and WHOLE_VECTOR_EPILOGUE:
+            # a transposed tile (channel lanes, 7 plane rows of NCHW): vectorized along the 7 rows
+            # every store gathers one lane from each of 7 accumulator rows, and LLVM spills the tile
+            # (64->384 1x1 conv at 14x14: 2-3x slower, bimodal); along the channels the tile is
+            # read as the micro-kernel wrote it and stored with a stride (the plan model's scatter)
+            whole = [
+                i
+                for i, (lp, e) in enumerate(nontrivial[:-1])
+                if e % lanes == 0 and not uses_var(predicate, sch.get(lp).loop_var)
+            ]
+            if whole:
+                i = whole[-1]
+                moved, after = nontrivial[i], nontrivial[i + 1 :]
+                if try_primitive(sch.reorder, *[lp for lp, _ in after], moved[0]):
+                    nontrivial = nontrivial[:i] + after + [moved]
+                    inner, ext = moved
         outer = [lp for lp, _ in nontrivial[:-1]]
         if ext % lanes == 0:
             # one SIMD register per vector op, as the micro-kernel wrote the tile: a wider read
@@ -630,8 +655,13 @@ def _cache_block_plan(
     cores = num_cores(target)
     # parallel tasks: whole tiles of the loops the panel moves with; take more loops in while that
     # leaves cores idle (7 tasks on 2 cores: 12% of the machine waits)
-    while n_par < len(outer) - 1 and _imbalance(math.prod(exts[:n_par]), cores) > 1.1:
+    while n_par < len(outer) - 1 and _imbalance(math.prod(exts[:n_par]), cores) > MAX_IMBALANCE:
         n_par += 1
+    if _imbalance(math.prod(exts[:n_par]), cores) > MAX_BLOCKED_IMBALANCE:
+        # still far too few tasks (one vector tile covers all of K in a 512->64 1x1 conv: one
+        # task, one core idle, 2x slower); unblocked, every tile is a parallel task. A milder
+        # imbalance is the lesser cost (232->232 at 14x14: 5 tasks blocked 2x faster than unblocked)
+        return None
     if n_par >= len(outer) or math.prod(exts[n_par:]) < MIN_TILE_REUSE:
         return None  # too few tiles per task reuse a chunk to pay for the accumulator reloads
     elem = max(int(panel.source.dtype.bits) // 8, 1)
