@@ -82,9 +82,10 @@ ODD_VECTOR_PENALTY = 3.0  # vector axis extent not a multiple of the SIMD width
 # 14x14 plane as rows of 14 lanes (80->480 1x1 conv: 0.18 -> 0.08 ms against channel lanes and
 # their transposing write-back).
 MASKED_ODD_VECTORS = True
-# Idle lanes of a partial vector are charged (cost per useful lane) when more than this many are
-# idle: 13-lane rows of a 13x13 plane lose to channel lanes (SqueezeNet's 512->1000 conv: 0.96 vs
-# 0.84 ms), 14-lane rows of a 14x14 plane mostly win (docs/performance.md).
+# A masked odd vector with up to this many idle lanes costs as a whole one; with more, its cost is
+# per useful lane (all its idle lanes charged): 13-lane rows of a 13x13 plane lose to channel
+# lanes (SqueezeNet's 512->1000 conv: 0.96 vs 0.84 ms), 14-lane rows of a 14x14 plane mostly
+# win (docs/performance.md).
 FREE_IDLE_LANES = 2
 WHOLE_VECTOR_EPILOGUE = True  # a tile's epilogue vectorizes a whole-vector loop (_schedule_tile_epilogue)
 MAX_ROWS = 8
@@ -319,7 +320,7 @@ class Contraction(CpuRule):
         init_loops = sch.get_loops(init)
         try_primitive(sch.vectorize, init_loops[-1])
         if blocking is None:
-            self._schedule_tile_epilogue(sch, acc_consumer, target)
+            self._schedule_tile_epilogue(sch, acc_consumer, target, sch.get(main).writes[0].source)
         else:  # the epilogue covers the task's whole region: vectorized, not unrolled
             schedule_injective_block(sch, acc_consumer, target, parallel=False)
 
@@ -446,10 +447,13 @@ class Contraction(CpuRule):
                         lines = _lines_written(vt, rt, out_strided, per_line)
                         write_back = scatter + WRITE_LINE_CYCLES * lines
                         tile = r_steps * step + TILE_OVERHEAD_CYCLES + write_back
-                        # a partial vector's idle lanes do no work: cost per useful lane, once
-                        # more than FREE_IDLE_LANES of them idle
-                        idle = nvec * lanes / vt if nvec * lanes - vt > FREE_IDLE_LANES else 1.0
-                        cost = pen + vt_pen + idle * tile / (r_steps * acc / 2)
+                        # a masked partial vector's idle lanes do no work: with more than
+                        # FREE_IDLE_LANES of them idle, the cost is per useful lane
+                        masked_odd = masked and vt % lanes and 2 * vt > lanes
+                        lane_share = (
+                            nvec * lanes / vt if masked_odd and nvec * lanes - vt > FREE_IDLE_LANES else 1.0
+                        )
+                        cost = pen + vt_pen + lane_share * tile / (r_steps * acc / 2)
                         if row_it is not None and row_it.dom % rt:
                             # a ragged last tile (197 rows in tiles of 8): its rows past the end
                             # are skipped, but the tile costs as much as a full one
@@ -534,10 +538,12 @@ class Contraction(CpuRule):
             sch.annotate(cached, LAYOUT_REWRITE_PREPROC, True)
 
     @staticmethod
-    def _schedule_tile_epilogue(sch, block, target):
+    def _schedule_tile_epilogue(sch, block, target, acc=None):
         """Vectorize the tile's epilogue and unroll its outer loops, at most
         ``MAX_EPILOGUE_UNROLL`` copies of the body (a tile's worth of vectors: more only makes
-        LLVM slow, as a broadcast epilogue over a whole plane did, ~1,800 copies)."""
+        LLVM slow, as a broadcast epilogue over a whole plane did, ~1,800 copies). The vectorized
+        loop is one without the ragged tile's bounds check, and, when the innermost one is not a
+        whole vector, the loop along the accumulator tile ``acc``'s vector dim (its last)."""
         loops = sch.get_loops(block)[1:]
         exts = [int_extent(sch, lp) for lp in loops]
         nontrivial = [(lp, e) for lp, e in zip(loops, exts) if e is not None and e > 1]
@@ -562,15 +568,18 @@ class Contraction(CpuRule):
                     nontrivial = nontrivial[:i] + after + [moved]
                     inner, ext = moved
         lanes = vector_lanes(target)
-        if ext % lanes and WHOLE_VECTOR_EPILOGUE:
+        if ext % lanes and WHOLE_VECTOR_EPILOGUE and acc is not None:
             # a transposed tile (channel lanes, 7 plane rows of NCHW): vectorized along the 7 rows
             # every store gathers one lane from each of 7 accumulator rows, and LLVM spills the tile
             # (64->384 1x1 conv at 14x14: 2-3x slower, bimodal); along the channels the tile is
             # read as the micro-kernel wrote it and stored with a stride (the plan model's scatter)
+            acc_vector = _acc_vector_binding(sch, block, acc)
             whole = [
                 i
                 for i, (lp, e) in enumerate(nontrivial[:-1])
-                if e % lanes == 0 and not uses_var(predicate, sch.get(lp).loop_var)
+                if e % lanes == 0
+                and uses_var(acc_vector, sch.get(lp).loop_var)
+                and not uses_var(predicate, sch.get(lp).loop_var)
             ]
             if whole:
                 i = whole[-1]
@@ -600,6 +609,21 @@ class Contraction(CpuRule):
             if copies > MAX_EPILOGUE_UNROLL:
                 break
             try_primitive(sch.unroll, lp)
+
+
+def _acc_vector_binding(sch, block, acc):
+    """The loop expression ``block`` indexes the last dim of buffer ``acc`` with (the micro-kernel's
+    vector dim, see apply), or 0 when it does not read ``acc`` by a plain block var."""
+    stmt = sch.get(block)
+    read = next((r for r in stmt.reads if r.source.same_as(acc)), None)
+    if read is None:
+        return tirx.const(0)
+    last = read.region[-1].min
+    realize = get_sblock_realize(sch, block)
+    for iv, value in zip(stmt.iter_vars, realize.iter_values):
+        if last.same_as(iv.var):
+            return value
+    return tirx.const(0)
 
 
 def _cache_block_plan(
@@ -657,10 +681,11 @@ def _cache_block_plan(
     # leaves cores idle (7 tasks on 2 cores: 12% of the machine waits)
     while n_par < len(outer) - 1 and _imbalance(math.prod(exts[:n_par]), cores) > MAX_IMBALANCE:
         n_par += 1
-    if _imbalance(math.prod(exts[:n_par]), cores) > MAX_BLOCKED_IMBALANCE:
-        # still far too few tasks (one vector tile covers all of K in a 512->64 1x1 conv: one
-        # task, one core idle, 2x slower); unblocked, every tile is a parallel task. A milder
-        # imbalance is the lesser cost (232->232 at 14x14: 5 tasks blocked 2x faster than unblocked)
+    static_tasks = all(isinstance(it.dom, int) for it in s_iters[:n_par])
+    if static_tasks and _imbalance(math.prod(exts[:n_par]), cores) > MAX_BLOCKED_IMBALANCE:
+        # still far too few tasks (a 512->64 1x1 conv whose one vector tile covers all 64 output
+        # channels: one task, one core idle, 2x slower); unblocked, every tile is a parallel task.
+        # A milder imbalance is the lesser cost (232->232 at 14x14: 5 tasks, blocked 2x faster)
         return None
     if n_par >= len(outer) or math.prod(exts[n_par:]) < MIN_TILE_REUSE:
         return None  # too few tiles per task reuse a chunk to pay for the accumulator reloads
