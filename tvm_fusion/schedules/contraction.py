@@ -561,12 +561,8 @@ class Contraction(CpuRule):
                 if e >= 4 and not uses_var(predicate, sch.get(lp).loop_var)
             ]
             if free:
-                i = free[-1]
-                moved, after = nontrivial[i], nontrivial[i + 1 :]
-                # the innermost such loop moves innermost; the loops after it keep their order
-                if try_primitive(sch.reorder, *[lp for lp, _ in after], moved[0]):
-                    nontrivial = nontrivial[:i] + after + [moved]
-                    inner, ext = moved
+                nontrivial = _move_innermost(sch, nontrivial, free[-1])
+                inner, ext = nontrivial[-1]
         lanes = vector_lanes(target)
         if ext % lanes and WHOLE_VECTOR_EPILOGUE and acc is not None:
             # a transposed tile (channel lanes, 7 plane rows of NCHW): vectorized along the 7 rows
@@ -582,11 +578,8 @@ class Contraction(CpuRule):
                 and not uses_var(predicate, sch.get(lp).loop_var)
             ]
             if whole:
-                i = whole[-1]
-                moved, after = nontrivial[i], nontrivial[i + 1 :]
-                if try_primitive(sch.reorder, *[lp for lp, _ in after], moved[0]):
-                    nontrivial = nontrivial[:i] + after + [moved]
-                    inner, ext = moved
+                nontrivial = _move_innermost(sch, nontrivial, whole[-1])
+                inner, ext = nontrivial[-1]
         outer = [lp for lp, _ in nontrivial[:-1]]
         if ext % lanes == 0:
             # one SIMD register per vector op, as the micro-kernel wrote the tile: a wider read
@@ -609,6 +602,15 @@ class Contraction(CpuRule):
             if copies > MAX_EPILOGUE_UNROLL:
                 break
             try_primitive(sch.unroll, lp)
+
+
+def _move_innermost(sch, loops, i):
+    """Reorder so that ``loops[i]`` (a ``(loop, extent)``) runs innermost, the loops after it keeping
+    their order; the new order, or ``loops`` unchanged when the reorder is not valid."""
+    moved, after = loops[i], loops[i + 1 :]
+    if try_primitive(sch.reorder, *[lp for lp, _ in after], moved[0]):
+        return loops[:i] + after + [moved]
+    return loops
 
 
 def _acc_vector_binding(sch, block, acc):
