@@ -30,6 +30,7 @@ from tvm_fusion.schedules._util import collect_loops, loop_kinds, uses_var
 from tvm_fusion.schedules.fallback import get_sblock_realize
 
 ZNVER3 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
+ZNVER4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})  # AVX-512
 RNG = np.random.default_rng(0)
 
 
@@ -1016,15 +1017,7 @@ def test_pointwise_conv_on_a_14x14_plane_takes_14_lane_rows_with_avx512():
     of 14 lanes and writes its output rows contiguously. Before, the lanes went on output
     channels and every tile's write-back was a transpose (EfficientNet's 80->480 expand: 0.18 vs
     0.08 ms). AVX2 keeps its plan: there a 14-lane vector is 8 + 6 lanes."""
-    from tvm_fusion.targets import llvm_target
-
-    w, b = _rand(96, 40, 1, 1, scale=0.2), _rand(1, 96, 1, 1)
-
-    def body(bb, x):
-        y = bb.emit(relax.op.add(bb.emit(relax.op.nn.conv2d(x, relax.const(w))), relax.const(b)))
-        return relax.op.clip(y, 0.0, 6.0)
-
-    mod = _module({"x": (1, 40, 14, 14)}, body)
+    mod = _pointwise_conv_module(40, 96, 14)
     feeds = [_rand(1, 40, 14, 14)]
     expected = _run(_fused(mod), feeds)
 
@@ -1034,25 +1027,29 @@ def test_pointwise_conv_on_a_14x14_plane_takes_14_lane_rows_with_avx512():
         (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
         return sched, {int(lp.extent) for lp in collect_loops(func) if lp.kind == tirx.ForKind.VECTORIZED}
 
-    avx512 = llvm_target("znver4", 2)
-    sched, extents = conv_vector_extents(avx512)
+    sched, extents = conv_vector_extents(ZNVER4)
     assert extents == {14}, extents
     assert 14 not in conv_vector_extents(ZNVER3)[1]  # AVX2: 8-lane vectors (the old plan)
     if HOST_HAS_AVX512:
-        got = run_relax(sched, feeds, avx512)
+        got = run_relax(sched, feeds, ZNVER4)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def _pointwise_conv_func(cin, cout, size):
-    """The fused PrimFunc of a 1x1 conv + bias + clip (a MobileNet / SqueezeNet pointwise kernel)."""
+def _pointwise_conv_module(cin, cout, size):
+    """main(x) = clip(conv1x1(x) + bias): a MobileNet / SqueezeNet pointwise kernel."""
     w, b = _rand(cout, cin, 1, 1, scale=0.2), _rand(1, cout, 1, 1)
 
     def body(bb, x):
         y = bb.emit(relax.op.add(bb.emit(relax.op.nn.conv2d(x, relax.const(w))), relax.const(b)))
         return relax.op.clip(y, 0.0, 6.0)
 
+    return _module({"x": (1, cin, size, size)}, body)
+
+
+def _pointwise_conv_func(cin, cout, size):
+    """The fused PrimFunc of :func:`_pointwise_conv_module`."""
     # weights marked layout-free (packable at compile time) as the build's first scheduling step does
-    mod = relax.transform.AttachAttrLayoutFreeBuffers()(_fused(_module({"x": (1, cin, size, size)}, body)))
+    mod = relax.transform.AttachAttrLayoutFreeBuffers()(_fused(_pointwise_conv_module(cin, cout, size)))
     (func,) = [f for n, f in _prim_funcs(mod).items() if "conv" in n]
     return func
 
@@ -1070,9 +1067,7 @@ def test_every_plan_of_a_one_tile_wide_conv_runs_on_both_cores():
     channels, the cache-blocked loop nest had a single parallel task and ran on one core (0.104
     ms, against 0.053 with 32-channel tiles). Whatever plan the model or the tuner picks, the
     work is split over both cores."""
-    from tvm_fusion.targets import llvm_target
-
-    for plan, sch in _every_plan(_pointwise_conv_func(512, 64, 13), llvm_target("znver4", 2)):
+    for plan, sch in _every_plan(_pointwise_conv_func(512, 64, 13), ZNVER4):
         main_loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("conv2d_nchw_update"))]
         parallel = [lp for lp in main_loops if lp.kind == tirx.ForKind.PARALLEL]
         assert parallel and int(parallel[0].extent) >= 2, f"plan {plan}\n{sch.mod['main']}"
@@ -1084,9 +1079,7 @@ def test_channel_lane_tile_writes_back_in_whole_vectors():
     of 7 accumulator vectors and LLVM spilled the tile (2-3x slower, and bimodal from run to
     run); the write-back now runs along the channels in whole 16-lane vectors. Plans with lanes
     along the plane (14-lane rows) write contiguous rows and keep them."""
-    from tvm_fusion.targets import llvm_target
-
-    target = llvm_target("znver4", 2)
+    target = ZNVER4
     func = _pointwise_conv_func(64, 384, 14)
     epilogue_lanes = {}
     for plan, sch in _every_plan(func, target):
@@ -1120,9 +1113,6 @@ def test_pointwise_conv_with_13_lane_plane_rows_takes_channel_lanes_with_avx512(
     PadConvChannels): 13-lane plane rows leave 3 of 16 lanes idle, and channel lanes measured 12%
     faster (0.84 vs 0.96 ms). A 14x14 plane's 14-lane rows (2 idle) keep their plan (test above).
     The plan model decides for znver4 on any host; this checks the micro-kernel's lanes."""
-    from tvm_fusion.targets import llvm_target
-
-    target = llvm_target("znver4", 2)
-    sch = Contraction().apply(_pointwise_conv_func(512, 1008, 13), target, False)
+    sch = Contraction().apply(_pointwise_conv_func(512, 1008, 13), ZNVER4, False)
     innermost = sch.get(sch.get_loops(sch.get_sblock("conv2d_nchw_update"))[-1])  # the micro-kernel's
     assert innermost.kind == tirx.ForKind.VECTORIZED and int(innermost.extent) == 16, sch.mod["main"]

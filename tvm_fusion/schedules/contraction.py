@@ -400,10 +400,13 @@ class Contraction(CpuRule):
             out_strided = access_class(out_region, v_it.var) != "contiguous"
             ext = v_it.dom
             vts = {m * lanes: 0.0 for m in (4, 3, 2, 1) if ext % (m * lanes) == 0}  # vt -> penalty
+            lane_share = {}  # vt -> lanes computed per useful lane (default 1)
             if not vts:
                 odd = [d for d in divisors_upto(ext, lanes - 1) if 2 * d > lanes] if masked else []
-                if odd:  # the widest partial vector (MASKED_ODD_VECTORS; idle lanes: FREE_IDLE_LANES)
+                if odd:  # the widest partial vector (MASKED_ODD_VECTORS)
                     vts = {odd[-1]: 0.0}
+                    if lanes - odd[-1] > FREE_IDLE_LANES:  # its idle lanes do no work
+                        lane_share[odd[-1]] = lanes / odd[-1]
                 else:
                     # one register-sized (or smaller) vector: wider odd vectors become shuffles
                     vts = {
@@ -447,13 +450,7 @@ class Contraction(CpuRule):
                         lines = _lines_written(vt, rt, out_strided, per_line)
                         write_back = scatter + WRITE_LINE_CYCLES * lines
                         tile = r_steps * step + TILE_OVERHEAD_CYCLES + write_back
-                        # a masked partial vector's idle lanes do no work: with more than
-                        # FREE_IDLE_LANES of them idle, the cost is per useful lane
-                        masked_odd = masked and vt % lanes and 2 * vt > lanes
-                        lane_share = (
-                            nvec * lanes / vt if masked_odd and nvec * lanes - vt > FREE_IDLE_LANES else 1.0
-                        )
-                        cost = pen + vt_pen + lane_share * tile / (r_steps * acc / 2)
+                        cost = pen + vt_pen + lane_share.get(vt, 1.0) * tile / (r_steps * acc / 2)
                         if row_it is not None and row_it.dom % rt:
                             # a ragged last tile (197 rows in tiles of 8): its rows past the end
                             # are skipped, but the tile costs as much as a full one
@@ -538,7 +535,7 @@ class Contraction(CpuRule):
             sch.annotate(cached, LAYOUT_REWRITE_PREPROC, True)
 
     @staticmethod
-    def _schedule_tile_epilogue(sch, block, target, acc=None):
+    def _schedule_tile_epilogue(sch, block, target, acc):
         """Vectorize the tile's epilogue and unroll its outer loops, at most
         ``MAX_EPILOGUE_UNROLL`` copies of the body (a tile's worth of vectors: more only makes
         LLVM slow, as a broadcast epilogue over a whole plane did, ~1,800 copies). The vectorized
@@ -564,7 +561,7 @@ class Contraction(CpuRule):
                 nontrivial = _move_innermost(sch, nontrivial, free[-1])
                 inner, ext = nontrivial[-1]
         lanes = vector_lanes(target)
-        if ext % lanes and WHOLE_VECTOR_EPILOGUE and acc is not None:
+        if ext % lanes and WHOLE_VECTOR_EPILOGUE:
             # a transposed tile (channel lanes, 7 plane rows of NCHW): vectorized along the 7 rows
             # every store gathers one lane from each of 7 accumulator rows, and LLVM spills the tile
             # (64->384 1x1 conv at 14x14: 2-3x slower, bimodal); along the channels the tile is
@@ -574,6 +571,7 @@ class Contraction(CpuRule):
                 i
                 for i, (lp, e) in enumerate(nontrivial[:-1])
                 if e % lanes == 0
+                and acc_vector is not None
                 and uses_var(acc_vector, sch.get(lp).loop_var)
                 and not uses_var(predicate, sch.get(lp).loop_var)
             ]
@@ -615,17 +613,14 @@ def _move_innermost(sch, loops, i):
 
 def _acc_vector_binding(sch, block, acc):
     """The loop expression ``block`` indexes the last dim of buffer ``acc`` with (the micro-kernel's
-    vector dim, see apply), or 0 when it does not read ``acc`` by a plain block var."""
+    vector dim, see apply), or None when it does not read ``acc`` by a plain block var."""
     stmt = sch.get(block)
     read = next((r for r in stmt.reads if r.source.same_as(acc)), None)
     if read is None:
-        return tirx.const(0)
+        return None
     last = read.region[-1].min
     realize = get_sblock_realize(sch, block)
-    for iv, value in zip(stmt.iter_vars, realize.iter_values):
-        if last.same_as(iv.var):
-            return value
-    return tirx.const(0)
+    return next((v for iv, v in zip(stmt.iter_vars, realize.iter_values) if last.same_as(iv.var)), None)
 
 
 def _cache_block_plan(
