@@ -171,6 +171,10 @@ def test_untuned_choice_follows_the_measured_rule():
     assert default_algorithm(256, 256, {2: 49, 4: 16}, 16) == "winograd2"
     assert default_algorithm(512, 512, {2: 16, 4: 4}, 16) == "direct"
     assert default_algorithm(3, 64, {2: 784, 4: 196}, 16) == "direct"  # few channels
+    # squeezenet's 16 -> 64 expand conv at 55x55 gains (0.32 -> 0.21 ms); 16 outputs lose
+    assert default_algorithm(16, 64, {2: 784, 4: 196}, 16) == "winograd4"
+    assert default_algorithm(16, 16, {2: 784, 4: 196}, 16) == "direct"
+    assert default_algorithm(8, 32, {2: 784, 4: 196}, 16) == "direct"
     # and the pipeline applies it: a 64-channel 28x28 conv is a Winograd kernel by default
     funcs = _prim_funcs(_lowered(_conv_model(64, 64, 28, 1, "relu"), None))
     assert any(_stages(f) for f in funcs.values())

@@ -220,17 +220,23 @@ def chosen_algorithm(signature: str, conv: dict) -> str:
 # 1.53 / 1.03 / 0.67, 256ch 14x14 1.09 / 0.82 / 1.53, 512ch 7x7 1.41 / 2.35 / 3.01. Winograd
 # wins while there are enough tiles to reuse each transformed weight (α²/9 times the weight's size,
 # streamed once per output-channel block): 49 tiles or more won, 16 or fewer lost, for both tile
-# sizes, and the larger tile wins when both have enough. Few channels (untested below 64) keep the
-# direct conv: the GEMM is then too short to pay for the transforms.
+# sizes, and the larger tile wins when both have enough. Few channels keep the direct conv, the
+# GEMM then being too short to pay for the transforms. Measured at 55x55 and 27x27 (AVX-512 and
+# AVX2 code, ms direct / F(4)): 16->64 0.32 / 0.21 (AVX2 0.32 / 0.25), 16->32 0.15 / 0.12, 24->96
+# 0.17 / 0.10 won; 8->32 0.10 / 0.10, 8->64 0.20 / 0.24, 16->16 0.12 / 0.19, 32->16 (27x27)
+# 0.04 / 0.06 did not: 16 input channels are enough, 16 output channels are not.
 MIN_TILES = 32
-MIN_CHANNELS = 32
+MIN_CHANNELS_IN = 16
+MIN_CHANNELS_OUT = 32
 
 
 def default_algorithm(channels_in: int, channels_out: int, tiles: dict, lanes: int = 1, **_) -> str:
     """The untuned algorithm for a conv (see the measurements above): F(4) if it has at least
     ``MIN_TILES`` output tiles, else F(2) if that has, else direct; direct for fewer than
-    ``MIN_CHANNELS`` channels or output channels not a whole number of SIMD vectors."""
-    if min(channels_in, channels_out) < MIN_CHANNELS or channels_out % lanes:
+    ``MIN_CHANNELS_IN`` input or ``MIN_CHANNELS_OUT`` output channels, or output channels not a
+    whole number of SIMD vectors."""
+    too_few = channels_in < MIN_CHANNELS_IN or channels_out < MIN_CHANNELS_OUT
+    if too_few or channels_out % lanes:
         return DIRECT
     for algorithm in ("winograd4", "winograd2"):
         if tiles[FORMS[algorithm]] >= MIN_TILES:
