@@ -108,6 +108,7 @@ MIN_CHUNK_STEPS = 32  # reduction steps per chunk: the accumulators reload once 
 MIN_TILE_REUSE = 4  # tiles per parallel task that share one panel chunk
 MAX_IMBALANCE = 1.1  # parallel tasks over cores: 7 tasks on 2 cores leave 12% of the machine idle
 MAX_BLOCKED_IMBALANCE = 1.5  # beyond this, blocking is given up for parallelism (see _cache_block_plan)
+BLOCKED_TASK_BALANCE = True  # plans ranked by their blocked tasks' balance (_charge_blocked_imbalance)
 # Below this many multiply-adds a kernel runs single-threaded: waking the thread pool costs ~7 us
 # on these machines, more than the work (a 1x32x10 classifier GEMM: 7.6 us parallel, 0.04 us not).
 PARALLEL_MIN_MACS = 1 << 16
@@ -173,6 +174,8 @@ class Contraction(CpuRule):
         plans = self._plans(main_info, stmt, reads, layout_free, target, str(out_buf.dtype))
         if not plans:
             return None
+        if CACHE_BLOCKING and BLOCKED_TASK_BALANCE:
+            plans = _charge_blocked_imbalance(plans, main_info, reads, layout_free, target)
         v_it, vt, row_it, rt, cost = plans[knobs.choose(sch, "plan", min(len(plans), MAX_PLAN_CHOICES))]
         logger.debug(
             "Contraction %s: vector %s/%d row %s/%d cost %.2f",
@@ -215,7 +218,7 @@ class Contraction(CpuRule):
             row_o, row_i = sch.split(row_it.loop_rv, factors=[None, rt])
         # spatial outer loops in original order, with the vector tile's outer loop taking the first
         # of the two slots: the weight panel of one vector tile is then reused across all rows.
-        slots = sorted(i for i, it in enumerate(s_iters) if it is v_it or it is row_it)
+        slots = _tile_slots(main_info, v_it, row_it)
         outer = []
         for i, it in enumerate(s_iters):
             if i in slots:
@@ -235,7 +238,7 @@ class Contraction(CpuRule):
             for budget in (PANEL_BYTES, 0, PANEL_BYTES // 2, PANEL_BYTES * 2):
                 plan = (
                     _cache_block_plan(
-                        main_info, reads, layout_free, v_it, vt, row_it, rt, outer, slots, target, budget
+                        main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target, budget
                     )
                     if budget
                     else None
@@ -358,7 +361,10 @@ class Contraction(CpuRule):
         line it touches (a 32-channel x 8-pixel tile of an NCHW output touches 32 lines, an
         8-channel x 16-pixel one 8: inside a model those lines come from L3/DRAM, and a 1x1 conv
         of MobileNet-V2 ran 2.3x faster with lanes along the plane). The cost is the
-        tile's cycles over the cycles its FMAs need at peak: 1.0 is FMA-bound.
+        tile's cycles over the cycles its FMAs need at peak (1.0 is FMA-bound), over the useful
+        lanes only for a masked odd vector with more than ``FREE_IDLE_LANES`` idle lanes, times
+        the imbalance of the tiles over the cores (``apply`` then charges the imbalance of the
+        fewer tasks cache blocking leaves: ``_charge_blocked_imbalance``).
         """
         lanes = vector_lanes(target, dtype)
         masked = MASKED_ODD_VECTORS and vector_bits(target) == 512 and tvm.DataType(dtype).bits == 32
@@ -623,8 +629,49 @@ def _acc_vector_binding(sch, block, acc):
     return next((v for iv, v in zip(stmt.iter_vars, realize.iter_values) if last.same_as(iv.var)), None)
 
 
+def _tile_slots(main_info, v_it, row_it) -> list[int]:
+    """Positions, among the spatial iters, of the vector and row iters (the tile's outer loops)."""
+    s_iters = [it for it in main_info.iters if it.kind == "S"]
+    return sorted(i for i, it in enumerate(s_iters) if it is v_it or it is row_it)
+
+
+def _tile_counts(main_info, v_it, vt, row_it, rt, slots) -> list[int]:
+    """Extents of the outer spatial loops once the vector and row iters are tiled (symbolic: 1)."""
+    exts = [it.dom if isinstance(it.dom, int) else 1 for it in main_info.iters if it.kind == "S"]
+    exts[slots[0]] = v_it.dom // vt
+    if len(slots) > 1:
+        exts[slots[1]] = math.ceil(row_it.dom / rt)
+    return exts
+
+
+def _charge_blocked_imbalance(plans, main_info, reads, layout_free, target) -> list[tuple]:
+    """``plans`` re-ranked by the parallel tasks their default cache blocking leaves.
+
+    ``_plans`` charges the imbalance of tiles over cores, but a blocked kernel's parallel tasks
+    are only the tiles of the loops its panel moves with: 960->160 at 7x7 in 32-channel tiles
+    makes 5 tasks (3 on one core, 2 on the other) and ran 0.083 ms, in 16-channel tiles 10 tasks
+    and 0.070 ms, though the 32-channel tile is the better micro-kernel.
+    """
+    if math.prod(it.dom if isinstance(it.dom, int) else 1 for it in main_info.iters) < PARALLEL_MIN_MACS:
+        return plans  # single-threaded (see apply)
+    cores = num_cores(target)
+    s_iters = [it for it in main_info.iters if it.kind == "S"]
+    points = math.prod(it.dom for it in s_iters if isinstance(it.dom, int))
+    charged = []
+    for v_it, vt, row_it, rt, cost in plans:
+        slots = _tile_slots(main_info, v_it, row_it)
+        blocking = _cache_block_plan(main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target)
+        if blocking is not None and all(isinstance(it.dom, int) for it in s_iters[: blocking[0]]):
+            tasks = math.prod(_tile_counts(main_info, v_it, vt, row_it, rt, slots)[: blocking[0]])
+            charged_already = _imbalance(points // (vt * rt), cores)  # by _plans, per tile
+            cost *= max(1.0, _imbalance(tasks, cores) / charged_already)
+        charged.append((v_it, vt, row_it, rt, round(cost, 3)))
+    order = sorted(range(len(charged)), key=lambda i: (charged[i][4], i))  # stable: the model's ties
+    return [charged[i] for i in order]
+
+
 def _cache_block_plan(
-    main_info, reads, layout_free, v_it, vt, row_it, rt, outer, slots, target, panel_bytes=PANEL_BYTES
+    main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target, panel_bytes=PANEL_BYTES
 ):
     """Cache blocking of the reduction: ``(n_par, chunk)`` or None (keep the plain tile loop).
 
@@ -669,14 +716,12 @@ def _cache_block_plan(
         return None
     moving = [i for i, var in enumerate(outer_vars) if access_class(panel, var) != "invariant"]
     n_par = max(moving) + 1
-    exts = [it.dom if isinstance(it.dom, int) else 1 for it in s_iters]  # symbolic: at least 1
-    exts[slots[0]] = v_it.dom // vt
-    if len(slots) > 1:
-        exts[slots[1]] = math.ceil(row_it.dom / rt)
+    exts = _tile_counts(main_info, v_it, vt, row_it, rt, slots)
+    n_outer = len(exts)
     cores = num_cores(target)
     # parallel tasks: whole tiles of the loops the panel moves with; take more loops in while that
     # leaves cores idle (7 tasks on 2 cores: 12% of the machine waits)
-    while n_par < len(outer) - 1 and _imbalance(math.prod(exts[:n_par]), cores) > MAX_IMBALANCE:
+    while n_par < n_outer - 1 and _imbalance(math.prod(exts[:n_par]), cores) > MAX_IMBALANCE:
         n_par += 1
     static_tasks = all(isinstance(it.dom, int) for it in s_iters[:n_par])
     if static_tasks and _imbalance(math.prod(exts[:n_par]), cores) > MAX_BLOCKED_IMBALANCE:
@@ -684,7 +729,7 @@ def _cache_block_plan(
         # channels: one task, one core idle, 2x slower); unblocked, every tile is a parallel task.
         # A milder imbalance is the lesser cost (232->232 at 14x14: 5 tasks, blocked 2x faster)
         return None
-    if n_par >= len(outer) or math.prod(exts[n_par:]) < MIN_TILE_REUSE:
+    if n_par >= n_outer or math.prod(exts[n_par:]) < MIN_TILE_REUSE:
         return None  # too few tiles per task reuse a chunk to pay for the accumulator reloads
     elem = max(int(panel.source.dtype.bits) // 8, 1)
     r0_dom = int(r0.dom)
