@@ -223,7 +223,7 @@ def chosen_algorithm(signature: str, conv: dict) -> str:
 # sizes, and the larger tile wins when both have enough. Few channels keep the direct conv, the
 # GEMM then being too short to pay for the transforms. Measured at 55x55 and 27x27 (AVX-512 and
 # AVX2 code, ms direct / F(4)): 16->64 0.32 / 0.21 (AVX2 0.32 / 0.25), 16->32 0.15 / 0.12, 24->96
-# 0.17 / 0.10 won; 8->32 0.10 / 0.10, 8->64 0.20 / 0.24, 16->16 0.12 / 0.19, 32->16 (27x27)
+# (27x27) 0.17 / 0.10 won; 8->32 0.10 / 0.10, 8->64 0.20 / 0.24, 16->16 0.12 / 0.19, 32->16 (27x27)
 # 0.04 / 0.06 did not: 16 input channels are enough, 16 output channels are not.
 MIN_TILES = 32
 MIN_CHANNELS_IN = 16

@@ -208,8 +208,7 @@ class Contraction(CpuRule):
             self._pack_weights(sch, main, layout_free, v_it, vt, row_it, rt)
 
         # ---- tile ----------------------------------------------------------------------------
-        extents = [int_extent(sch, it.loop_rv) for it in main_info.iters]
-        small = all(e is not None for e in extents) and math.prod(extents) < PARALLEL_MIN_MACS
+        small = _single_threaded([int_extent(sch, it.loop_rv) for it in main_info.iters])
         s_iters = [it for it in main_info.iters if it.kind == "S"]
         r_loops = [it.loop_rv for it in main_info.iters if it.kind == "R"]
         v_o, v_i = sch.split(v_it.loop_rv, factors=[None, vt])
@@ -462,8 +461,7 @@ class Contraction(CpuRule):
                             # are skipped, but the tile costs as much as a full one
                             cost *= math.ceil(row_it.dom / rt) * rt / row_it.dom + RAGGED_PENALTY
                         # load imbalance across cores (1 tile on 2 cores: half the machine idles)
-                        ntiles = total // (vt * rt)
-                        cost *= math.ceil(ntiles / cores) * cores / max(ntiles, 1)
+                        cost *= _imbalance(_tiles(total, vt, rt), cores)
                         # ties: rows along the output's contiguous dim (broadcast operands then
                         # walk memory contiguously), then the narrower vector (smaller packed panel)
                         row_last = (
@@ -638,7 +636,7 @@ def _tile_slots(main_info, v_it, row_it) -> list[int]:
 def _tile_counts(main_info, v_it, vt, row_it, rt, slots) -> list[int]:
     """Extents of the outer spatial loops once the vector and row iters are tiled (symbolic: 1)."""
     exts = [it.dom if isinstance(it.dom, int) else 1 for it in main_info.iters if it.kind == "S"]
-    exts[slots[0]] = v_it.dom // vt
+    exts[slots[0]] = math.ceil(v_it.dom / vt)  # padded to whole vectors (pad_einsum) if need be
     if len(slots) > 1:
         exts[slots[1]] = math.ceil(row_it.dom / rt)
     return exts
@@ -650,10 +648,11 @@ def _charge_blocked_imbalance(plans, main_info, reads, layout_free, target) -> l
     ``_plans`` charges the imbalance of tiles over cores, but a blocked kernel's parallel tasks
     are only the tiles of the loops its panel moves with: 960->160 at 7x7 in 32-channel tiles
     makes 5 tasks (3 on one core, 2 on the other) and ran 0.083 ms, in 16-channel tiles 10 tasks
-    and 0.070 ms, though the 32-channel tile is the better micro-kernel.
+    and 0.070 ms, though the 32-channel tile is the better micro-kernel. A plan is charged the
+    worse of the two imbalances (its tiles', already in its cost, or its tasks').
     """
-    if math.prod(it.dom if isinstance(it.dom, int) else 1 for it in main_info.iters) < PARALLEL_MIN_MACS:
-        return plans  # single-threaded (see apply)
+    if _single_threaded([it.dom if isinstance(it.dom, int) else None for it in main_info.iters]):
+        return plans  # no parallel loop, no blocking (see apply)
     cores = num_cores(target)
     s_iters = [it for it in main_info.iters if it.kind == "S"]
     points = math.prod(it.dom for it in s_iters if isinstance(it.dom, int))
@@ -663,7 +662,7 @@ def _charge_blocked_imbalance(plans, main_info, reads, layout_free, target) -> l
         blocking = _cache_block_plan(main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target)
         if blocking is not None and all(isinstance(it.dom, int) for it in s_iters[: blocking[0]]):
             tasks = math.prod(_tile_counts(main_info, v_it, vt, row_it, rt, slots)[: blocking[0]])
-            charged_already = _imbalance(points // (vt * rt), cores)  # by _plans, per tile
+            charged_already = _imbalance(_tiles(points, vt, rt), cores)  # by _plans
             cost *= max(1.0, _imbalance(tasks, cores) / charged_already)
         charged.append((v_it, vt, row_it, rt, round(cost, 3)))
     order = sorted(range(len(charged)), key=lambda i: (charged[i][4], i))  # stable: the model's ties
@@ -808,6 +807,17 @@ def _lines_written(vt: int, rt: int, out_strided: bool, per_line: int) -> int:
 
 def _imbalance(tasks: int, cores: int) -> float:
     return math.ceil(tasks / cores) * cores / max(tasks, 1)
+
+
+def _tiles(points: int, vt: int, rt: int) -> int:
+    """Whole tiles of ``vt x rt`` in ``points`` spatial points; at least 1 (a padded vector
+    tile may be larger than the iteration space)."""
+    return max(points // (vt * rt), 1)
+
+
+def _single_threaded(extents: list[int | None]) -> bool:
+    """Whether a kernel of these loop extents (None: symbolic) runs without a parallel loop."""
+    return all(e is not None for e in extents) and math.prod(extents) < PARALLEL_MIN_MACS
 
 
 def _region_bytes(region, spans, elem) -> int:
