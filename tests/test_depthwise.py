@@ -214,6 +214,37 @@ def test_rule_space_of_a_depthwise_kernel_contains_the_default():
     assert np.abs(outputs[0]).max() > 0
 
 
+def test_stride_2_space_can_compute_the_padding_in_the_phase_copy():
+    """With a stride the tuner also decides where the zero padding is computed: in its own copy
+    (the default) or inside the phase copy (one copy fewer; faster for some shapes, much slower
+    for others, so it is measured, not modelled). Both compute the same numbers."""
+    from tvm_fusion.tuning import extract_tasks, rule_space
+
+    mod = unscheduled_module(import_onnx(_dw_model(32, 28, 2)).mod, ZNVER3)
+    (task,) = extract_tasks(mod, ZNVER3)
+    func = task.dispatched[0]["main"]
+    space = rule_space(func, ZNVER3)
+    assert "pad" in space.names
+    point = tuple(1 if name == "pad" else 0 for name in space.names)
+    inlined, effective = space.schedule(func, ZNVER3, point)
+    assert effective == point
+    default = Depthwise().apply(func, ZNVER3, False)
+    blocks = {b.name_hint for b in tir_stmts(inlined.mod["main"]) if isinstance(b, tvm.s_tir.SBlock)}
+    assert "depthwise_phase" in blocks and "depthwise_pad" not in blocks
+    assert "depthwise_pad" in {
+        b.name_hint for b in tir_stmts(default.mod["main"]) if isinstance(b, tvm.s_tir.SBlock)
+    }
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal([int(d) for d in p.shape]).astype(np.float32) for p in func.params]
+    outputs = []
+    for sch in (default, inlined):
+        tensors = [tvm.runtime.tensor(a) for a in args]
+        tvm.compile(sch.mod, target=ZNVER3)["main"](*tensors)
+        outputs.append(tensors[-1].numpy())
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+    assert np.abs(outputs[0]).max() > 0
+
+
 def test_tuning_searches_the_depthwise_space_and_the_build_replays_it(tmp_path):
     """The rule's decisions are searched like Contraction's: every candidate's trace prints and
     replays (TVM 0.27's decompose_padding cannot print its trace, which aborted the search; the
