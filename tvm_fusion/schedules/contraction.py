@@ -822,10 +822,12 @@ def _single_threaded(extents: list[int | None]) -> bool:
 
 def _region_bytes(region, spans, elem) -> int:
     """Bytes of a point access's bounding box when each ``(var, n)`` of spans takes n consecutive
-    values and every other var is fixed."""
+    values and every other var is fixed (a symbolic dim the spans do not bound: 1 GiB, far
+    beyond any cache)."""
     total = elem
     for d, rng in enumerate(region.region):
-        ext = int(region.source.shape[d])
+        dim = region.source.shape[d]
+        ext = int(dim) if isinstance(dim, tirx.IntImm) else 1 << 30
         if isinstance(rng.extent, tirx.IntImm) and int(rng.extent) == 1:
             span, ok = 1, True
             for var, n in spans:
