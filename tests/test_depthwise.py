@@ -197,21 +197,27 @@ def test_rule_space_of_a_depthwise_kernel_contains_the_default():
     # another point is another schedule, and it computes the same numbers
     other, _ = space.schedule(func, ZNVER3, (1,) * len(space.names))
     assert other.mod.script() != default.mod.script()
+    want, got = _outputs(func, default, other)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want).max() > 0
+
+
+def _outputs(func, *schedules) -> list[np.ndarray]:
+    """Each schedule of ``func`` run on the same random inputs (the last parameter is the output,
+    zeroed)."""
     rng = np.random.default_rng(0)
-    args = [
-        rng.standard_normal([int(d) for d in p.shape]).astype(np.float32)
-        if i < len(func.params) - 1
-        else np.zeros([int(d) for d in p.shape], np.float32)
-        for i, p in enumerate(func.params)
-    ]
+    args = [rng.standard_normal([int(d) for d in p.shape]).astype(np.float32) for p in func.params]
+    args[-1][:] = 0
     outputs = []
-    for sch in (default, other):
-        kernel = tvm.compile(sch.mod, target=ZNVER3)
+    for sch in schedules:
         tensors = [tvm.runtime.tensor(a) for a in args]
-        kernel["main"](*tensors)
+        tvm.compile(sch.mod, target=ZNVER3)["main"](*tensors)
         outputs.append(tensors[-1].numpy())
-    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
-    assert np.abs(outputs[0]).max() > 0
+    return outputs
+
+
+def _block_names(sch) -> set:
+    return {b.name_hint for b in tir_stmts(sch.mod["main"]) if isinstance(b, tvm.s_tir.SBlock)}
 
 
 def test_stride_2_space_can_compute_the_padding_in_the_phase_copy():
@@ -229,20 +235,11 @@ def test_stride_2_space_can_compute_the_padding_in_the_phase_copy():
     inlined, effective = space.schedule(func, ZNVER3, point)
     assert effective == point
     default = Depthwise().apply(func, ZNVER3, False)
-    blocks = {b.name_hint for b in tir_stmts(inlined.mod["main"]) if isinstance(b, tvm.s_tir.SBlock)}
-    assert "depthwise_phase" in blocks and "depthwise_pad" not in blocks
-    assert "depthwise_pad" in {
-        b.name_hint for b in tir_stmts(default.mod["main"]) if isinstance(b, tvm.s_tir.SBlock)
-    }
-    rng = np.random.default_rng(0)
-    args = [rng.standard_normal([int(d) for d in p.shape]).astype(np.float32) for p in func.params]
-    outputs = []
-    for sch in (default, inlined):
-        tensors = [tvm.runtime.tensor(a) for a in args]
-        tvm.compile(sch.mod, target=ZNVER3)["main"](*tensors)
-        outputs.append(tensors[-1].numpy())
-    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
-    assert np.abs(outputs[0]).max() > 0
+    assert "depthwise_phase" in _block_names(inlined) and "depthwise_pad" not in _block_names(inlined)
+    assert "depthwise_pad" in _block_names(default)
+    want, got = _outputs(func, default, inlined)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want).max() > 0
 
 
 def test_tuning_searches_the_depthwise_space_and_the_build_replays_it(tmp_path):

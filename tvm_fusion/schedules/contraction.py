@@ -642,6 +642,15 @@ def _tile_counts(main_info, v_it, vt, row_it, rt, slots) -> list[int]:
     return exts
 
 
+def _parallel_tasks(main_info, exts, n_par) -> int | None:
+    """Tasks of a nest whose first ``n_par`` outer loops (extents ``exts``, see _tile_counts) are
+    the parallel ones; None when one of them is symbolic (a dynamic batch: unknown)."""
+    s_iters = [it for it in main_info.iters if it.kind == "S"]
+    if not all(isinstance(it.dom, int) for it in s_iters[:n_par]):
+        return None
+    return math.prod(exts[:n_par])
+
+
 def _charge_blocked_imbalance(plans, main_info, reads, layout_free, target) -> list[tuple]:
     """``plans`` re-ranked by the parallel tasks their default cache blocking leaves.
 
@@ -654,14 +663,16 @@ def _charge_blocked_imbalance(plans, main_info, reads, layout_free, target) -> l
     if _single_threaded([it.dom if isinstance(it.dom, int) else None for it in main_info.iters]):
         return plans  # no parallel loop, no blocking (see apply)
     cores = num_cores(target)
-    s_iters = [it for it in main_info.iters if it.kind == "S"]
-    points = math.prod(it.dom for it in s_iters if isinstance(it.dom, int))
+    points = math.prod(it.dom for it in main_info.iters if it.kind == "S" and isinstance(it.dom, int))
     charged = []
     for v_it, vt, row_it, rt, cost in plans:
         slots = _tile_slots(main_info, v_it, row_it)
         blocking = _cache_block_plan(main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target)
-        if blocking is not None and all(isinstance(it.dom, int) for it in s_iters[: blocking[0]]):
-            tasks = math.prod(_tile_counts(main_info, v_it, vt, row_it, rt, slots)[: blocking[0]])
+        tasks = None
+        if blocking is not None:
+            exts = _tile_counts(main_info, v_it, vt, row_it, rt, slots)
+            tasks = _parallel_tasks(main_info, exts, blocking[0])
+        if tasks is not None:
             charged_already = _imbalance(_tiles(points, vt, rt), cores)  # by _plans
             cost *= max(1.0, _imbalance(tasks, cores) / charged_already)
         charged.append((v_it, vt, row_it, rt, round(cost, 3)))
@@ -722,8 +733,8 @@ def _cache_block_plan(
     # leaves cores idle (7 tasks on 2 cores: 12% of the machine waits)
     while n_par < n_outer - 1 and _imbalance(math.prod(exts[:n_par]), cores) > MAX_IMBALANCE:
         n_par += 1
-    static_tasks = all(isinstance(it.dom, int) for it in s_iters[:n_par])
-    if static_tasks and _imbalance(math.prod(exts[:n_par]), cores) > MAX_BLOCKED_IMBALANCE:
+    tasks = _parallel_tasks(main_info, exts, n_par)
+    if tasks is not None and _imbalance(tasks, cores) > MAX_BLOCKED_IMBALANCE:
         # still far too few tasks (a 512->64 1x1 conv whose one vector tile covers all 64 output
         # channels: one task, one core idle, 2x slower); unblocked, every tile is a parallel task.
         # A milder imbalance is the lesser cost (232->232 at 14x14: 5 tasks, blocked 2x faster)
