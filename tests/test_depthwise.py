@@ -101,13 +101,13 @@ def test_depthwise_matches_onnxruntime(target, channels, size, stride, kernel, e
 
 
 def _by_depthwise_rule(func) -> bool:
-    """The Depthwise rule's mark: the padded input computed inside the parallel task loop (other
-    rules make it a stage of its own)."""
+    """The Depthwise rule's mark: the padded input (with a stride, its phase copy) computed inside
+    the parallel task loop (other rules make it a stage of its own)."""
     parallel = [
         s for s in tir_stmts(func.body) if isinstance(s, tirx.For) and s.kind == tirx.ForKind.PARALLEL
     ]
     return any(
-        isinstance(s, tvm.s_tir.SBlock) and s.name_hint.startswith("depthwise_pad")
+        isinstance(s, tvm.s_tir.SBlock) and s.name_hint.startswith(("depthwise_pad", "depthwise_phase"))
         for loop in parallel
         for s in tir_stmts(loop.body)
     )
@@ -140,9 +140,14 @@ def test_depthwise_is_one_kernel_padding_per_task_without_gathers():
     parallel = [lp for lp in loops if lp.kind == tirx.ForKind.PARALLEL]
     assert len(parallel) == 1
 
-    # ... inside which the padded input is computed (only the rows a task reads: it stays in L1)
+    # ... inside which the padded input is computed (only the rows a task reads: it stays in L1;
+    # with a stride, by the phase copy)
     def pads(node):
-        return [s for s in tir_stmts(node) if isinstance(s, tvm.s_tir.SBlock) and "pad" in s.name_hint]
+        return [
+            s
+            for s in tir_stmts(node)
+            if isinstance(s, tvm.s_tir.SBlock) and ("pad" in s.name_hint or "phase" in s.name_hint)
+        ]
 
     assert pads(parallel[0].body) and len(pads(parallel[0].body)) == len(pads(func.body))
     # the conv's inner loop is a vector over output columns reading whole vectors: every load of
@@ -152,6 +157,32 @@ def test_depthwise_is_one_kernel_padding_per_task_without_gathers():
     reads = [r for r in conv.reads if r.source.name.startswith("depthwise_phase")]
     assert reads and all(access_class(r, column) == "contiguous" for r in reads)
     assert any(lp.kind == tirx.ForKind.VECTORIZED for lp in loops)
+
+
+@pytest.mark.parametrize("size,kernel", [(56, 3), (15, 3), (24, 5)])
+def test_stride_2_phase_copy_splits_off_its_padded_borders(size, kernel):
+    """The phase copy computes the zero padding, its column loop split into the borders and the
+    interior: every column the interior copies is inside the input (no condition left to mask),
+    and it is the widest such range (each border copies at least one padded column)."""
+    model = _dw_model(32, size, 2, kernel)
+    ((_, func),) = _prim_funcs(_lowered(model)).items()
+    stmts = list(tir_stmts(func.body))
+    loops = {lp.loop_var.name: lp for lp in stmts if isinstance(lp, tirx.For)}
+    parts = []  # the q range of each part of the phase copy
+    for realize in stmts:
+        if isinstance(realize, tvm.s_tir.SBlockRealize) and realize.block.annotations.get(STAGE) == "phase":
+            q = loops[realize.iter_values[4].name]  # (b, c, y, r, q)
+            parts.append(range(int(q.min), int(q.min) + int(q.extent)))
+    parts.sort(key=lambda r: r.start)
+    assert len(parts) >= 2 and [p.start for p in parts[1:]] == [p.stop for p in parts[:-1]]
+    left = kernel // 2
+
+    def padded(q) -> bool:  # input column q * 2 + r - left outside the input, for some r
+        return any(not 0 <= q * 2 + r - left < size for r in range(2))
+
+    inside = [p for p in parts if not any(padded(q) for q in p)]
+    assert len(inside) == 1 and all(any(padded(q) for q in p) for p in parts if p is not inside[0])
+    assert padded(inside[0].start - 1) and padded(inside[0].stop)
 
 
 def test_which_convs_take_the_depthwise_form():
@@ -220,10 +251,10 @@ def _block_names(sch) -> set:
     return {b.name_hint for b in tir_stmts(sch.mod["main"]) if isinstance(b, tvm.s_tir.SBlock)}
 
 
-def test_stride_2_space_can_compute_the_padding_in_the_phase_copy():
-    """With a stride the tuner also decides where the zero padding is computed: in its own copy
-    (the default) or inside the phase copy (one copy fewer; faster for some shapes, much slower
-    for others, so it is measured, not modelled). Both compute the same numbers."""
+def test_stride_2_space_can_compute_the_padding_in_its_own_copy():
+    """With a stride the tuner also decides where the zero padding is computed: inside the phase
+    copy (the default: one copy, its interior without masks) or in a copy of its own before it.
+    Both compute the same numbers."""
     from tvm_fusion.tuning import extract_tasks, rule_space
 
     mod = unscheduled_module(import_onnx(_dw_model(32, 28, 2)).mod, ZNVER3)
@@ -232,12 +263,14 @@ def test_stride_2_space_can_compute_the_padding_in_the_phase_copy():
     space = rule_space(func, ZNVER3)
     assert "pad" in space.names
     point = tuple(1 if name == "pad" else 0 for name in space.names)
-    inlined, effective = space.schedule(func, ZNVER3, point)
+    own_copy, effective = space.schedule(func, ZNVER3, point)
     assert effective == point
     default = Depthwise().apply(func, ZNVER3, False)
-    assert "depthwise_phase" in _block_names(inlined) and "depthwise_pad" not in _block_names(inlined)
-    assert "depthwise_pad" in _block_names(default)
-    want, got = _outputs(func, default, inlined)
+    assert {"depthwise_pad", "depthwise_phase"} <= _block_names(own_copy)
+    default_names = _block_names(default)
+    assert "depthwise_pad" not in default_names
+    assert any(name.startswith("depthwise_phase") for name in default_names)
+    want, got = _outputs(func, default, own_copy)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.abs(want).max() > 0
 
@@ -277,7 +310,7 @@ def test_stride_2_phase_copy_of_a_small_plane_has_no_gather_or_scatter():
 
     model = _dw_model(32, 14, 2, 5, "clip")
     result = tvm_fusion.build(model, llvm_target("znver4", 2), tuning_logs=None)
-    assert any({"pad", "phase", "conv"} <= _stages(f) for f in _prim_funcs(result.lowered).values())
+    assert any({"phase", "conv"} <= _stages(f) for f in _prim_funcs(result.lowered).values())
     (llvm,) = [m for m in [result.executable.mod, *result.executable.mod.imports] if m.kind == "llvm"]
     asm = llvm.inspect_source("asm")
     assert "vfmadd" in asm  # the kernel is there

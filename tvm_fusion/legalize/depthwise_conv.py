@@ -31,6 +31,7 @@ from .conv_args import cpu_float32_nchw_conv
 
 STAGE = "tvm_fusion.depthwise"  # block annotation: pad / phase / conv / crop
 GROUP_OUT = "tvm_fusion.group_channels"  # on the conv block: output channels per group
+PAD_COLUMNS = "tvm_fusion.pad_columns"  # on the pad block: [left padding, input width]
 # Stride-1 outputs narrower than this keep TVM's conv (Contraction vectorizes those over the
 # plane): on 7×7 planes the per-row padding costs more than it saves (0.021 vs 0.014 ms, 960 ch)
 MIN_WIDTH = 8
@@ -67,7 +68,9 @@ def depthwise_conv2d_nchw(data, weight, strides, padding, width: int, dtype: str
         inside = tirx.all(yy >= 0, yy < h_, xx >= 0, xx < w_)
         return tirx.if_then_else(inside, data[b, c, yy, xx], tirx.const(0.0, data.dtype))
 
-    pad = te.compute((n_, c_, rows, cols * sw), padded, name="depthwise_pad", attrs={STAGE: "pad"})
+    pad = te.compute(
+        (n_, c_, rows, cols * sw), padded, name="depthwise_pad", attrs={STAGE: "pad", PAD_COLUMNS: [pl, w_]}
+    )
     if sw == 1:
 
         def window(b, c, y, kw, x):
