@@ -162,9 +162,18 @@ def onnx_path(cache: Path, name: str, exporter: str) -> Path:
     return cache / f"{name}.{exporter}.onnx"
 
 
+EXPORT_NOTE = "tvm_fusion.zoo.export_note"  # ONNX metadata: how the file had to be exported
+
+
 def export(name: str, exporter: str, cache: Path, force: bool = False) -> Path:
-    """Export one model with one exporter (atomically: readers never see a half-written file)."""
-    import torch
+    """Export one model with one exporter (atomically: readers never see a half-written file).
+
+    A Hugging Face model whose export fails with its default attention (SDPA) is exported again
+    with ``attn_implementation="eager"``, as a user would work around an exporter bug: torch
+    2.14's dynamo exporter cannot trace T5's SDPA path (``Cannot view a tensor with shape [1, 128,
+    8, 64] ... as (1, 128, 512)`` in its decompositions). The file's metadata says so
+    (``EXPORT_NOTE``), and the zoo report shows it."""
+    import onnx
 
     path = onnx_path(cache, name, exporter)
     if path.exists() and not force:
@@ -174,34 +183,65 @@ def export(name: str, exporter: str, cache: Path, force: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".onnx", dir=cache)
     os.close(fd)
     try:
-        # as users call it: not under torch.no_grad(), where nn.MultiheadAttention takes its fused
-        # fast path (aten::_native_multi_head_attention), which the TorchScript exporter cannot write
-        if exporter == "torchscript":
-            torch.onnx.export(
-                model,
-                args,
-                tmp,
-                dynamo=False,
-                opset_version=17,
-                input_names=input_names,
-                output_names=["output"],
-            )
-        else:
-            torch.onnx.export(
-                model,
-                args,
-                tmp,
-                dynamo=True,
-                external_data=False,
-                input_names=input_names,
-                output_names=["output"],
-            )
+        note = ""
+        try:
+            _torch_export(model, args, input_names, exporter, tmp)
+        except Exception as err:
+            if ZOO[name].source == "torchvision":
+                raise
+            model.model.set_attn_implementation("eager")
+            _torch_export(model, args, input_names, exporter, tmp)
+            note = f"exported with eager attention: with SDPA, torch.onnx failed ({_root_cause(err)})"
+        if note:
+            exported = onnx.load(tmp)
+            onnx.helper.set_model_props(exported, {EXPORT_NOTE: note})
+            onnx.save(exported, tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _torch_export(model, args, input_names, exporter: str, path: str) -> None:
+    import torch
+
+    # as users call it: not under torch.no_grad(), where nn.MultiheadAttention takes its fused
+    # fast path (aten::_native_multi_head_attention), which the TorchScript exporter cannot write
+    if exporter == "torchscript":
+        torch.onnx.export(
+            model,
+            args,
+            path,
+            dynamo=False,
+            opset_version=17,
+            input_names=input_names,
+            output_names=["output"],
+        )
+    else:
+        torch.onnx.export(
+            model,
+            args,
+            path,
+            dynamo=True,
+            external_data=False,
+            input_names=input_names,
+            output_names=["output"],
+        )
+
+
+def _root_cause(err: BaseException) -> str:
+    """The first line of the innermost exception (torch.onnx wraps the one that says what failed)."""
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:200]
+
+
+def export_note(model) -> str:
+    """The note ``export`` left in an ONNX file's metadata, or ''."""
+    return next((p.value for p in model.metadata_props if p.key == EXPORT_NOTE), "")
 
 
 def feeds_for(model) -> dict[str, np.ndarray]:
@@ -244,6 +284,8 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
         save(llvm_error=f"{path}: not exported (run `scripts/zoo.py export` with the zoo extra)")
         return
     model = onnx.load(str(path))
+    if export_note(model):
+        save(export_note=export_note(model))
     feeds = feeds_for(model)
     target = llvm_target()
     threads = int(target.attrs["num-cores"])
@@ -427,6 +469,9 @@ def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
                 failures.append(f"- {r['model']} ({r['exporter']}, {key.split('_')[0]}): `{r[key]}`")
     if failures:
         lines += ["", "## Failures", "", *failures]
+    notes = [f"- {r['model']} ({r['exporter']}): {r['export_note']}" for r in rows if r.get("export_note")]
+    if notes:
+        lines += ["", "## Export notes", "", *notes]
     slow = [r for r in rows if r.get("top_kernels")]
     if slow:
         lines += [

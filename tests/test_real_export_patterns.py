@@ -345,7 +345,12 @@ def _zoo_script():
 @pytest.mark.zoo
 @pytest.mark.parametrize(
     "name, exporter",
-    [("shufflenet_v2_x1_0", "torchscript"), ("distilbert", "torchscript"), ("squeezenet1_1", "dynamo")],
+    [
+        ("shufflenet_v2_x1_0", "torchscript"),
+        ("distilbert", "torchscript"),
+        ("squeezenet1_1", "dynamo"),
+        ("t5_encoder", "dynamo"),  # torch 2.14 exports it only with eager attention (zoo.export)
+    ],
 )
 def test_real_export_builds_and_matches_ort(name, exporter, tmp_path):
     pytest.importorskip("torch", reason="the zoo extra (torch, torchvision, transformers) is not installed")
@@ -368,3 +373,21 @@ def test_zoo_run_of_one_target_keeps_the_other_targets_columns(tmp_path):
     zoo.store_result(cache, {"model": "m", "exporter": "e", "cuda_error": "boom"}, ("cuda",))
     row = zoo.load_results(cache)["m.e"]
     assert (row["ms_ours"], row["cuda_error"]) == (2.0, "boom") and "cuda_build_s" not in row
+
+
+def test_zoo_report_shows_how_a_file_had_to_be_exported(tmp_path):
+    """A model that torch.onnx exported only with eager attention says so in its row's note (the
+    note travels in the ONNX file's metadata), and the report lists it."""
+    zoo = _zoo_script()
+    model = _model(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    assert zoo.export_note(model) == ""
+    helper.set_model_props(model, {zoo.EXPORT_NOTE: "exported with eager attention"})
+    assert zoo.export_note(model) == "exported with eager attention"
+    row = {"model": "t5_encoder", "exporter": "dynamo", "export_note": zoo.export_note(model)}
+    md = tmp_path / "zoo.md"
+    zoo.write_report({"t5_encoder.dynamo": row}, md, tmp_path / "zoo.png")
+    assert "## Export notes\n\n- t5_encoder (dynamo): exported with eager attention" in md.read_text()
