@@ -338,12 +338,18 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
             save(cuda_error=_one_line(err))
 
 
-def _interleaved_ms(fns, runs: int, rounds: int = 3) -> list[float]:
-    """Median ms of each function, timed side by side in alternating blocks (noise hits all alike)."""
+BLOCK_RUNS = 5  # runs of one function in a row
+
+
+def _interleaved_ms(fns, runs: int) -> list[float]:
+    """Median ms of each function, timed side by side in alternating blocks of ``BLOCK_RUNS``
+    runs (noise hits all alike: this VM has slow phases of minutes, and with three long blocks
+    one of them could fall into a phase the other missed)."""
     times = [[] for _ in fns]
     for fn in fns:  # warm-up
         fn()
         fn()
+    rounds = max(3, -(-runs // BLOCK_RUNS))
     per_round = max(1, runs // rounds)
     for r in range(rounds):
         order = list(range(len(fns))) if r % 2 == 0 else list(range(len(fns)))[::-1]
