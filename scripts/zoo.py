@@ -187,9 +187,13 @@ def export(name: str, exporter: str, cache: Path, force: bool = False) -> Path:
         try:
             _torch_export(model, args, input_names, exporter, tmp)
         except Exception as err:
-            if ZOO[name].source == "torchvision":
+            config = getattr(getattr(model, "model", None), "config", None)
+            if getattr(config, "_attn_implementation", None) != "sdpa":
                 raise
-            model.model.set_attn_implementation("eager")
+            if hasattr(model.model, "set_attn_implementation"):
+                model.model.set_attn_implementation("eager")
+            else:  # an older transformers
+                config._attn_implementation = "eager"
             _torch_export(model, args, input_names, exporter, tmp)
             note = f"exported with eager attention: with SDPA, torch.onnx failed ({_root_cause(err)})"
         if note:
@@ -233,8 +237,11 @@ def _torch_export(model, args, input_names, exporter: str, path: str) -> None:
 
 def _root_cause(err: BaseException) -> str:
     """The first line of the innermost exception (torch.onnx wraps the one that says what failed)."""
-    while err.__cause__ is not None or err.__context__ is not None:
-        err = err.__cause__ or err.__context__
+    while True:
+        inner = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+        if inner is None:
+            break
+        err = inner
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
     return f"{type(err).__name__}: {lines[0] if lines else ''}"[:200]
 

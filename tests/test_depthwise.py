@@ -24,18 +24,19 @@ ZNVER3 = llvm_target("znver3")  # AVX2 (8 lanes): the CI machine's vector width
 SKYLAKE = llvm_target("skylake-avx512")  # 16 lanes: widths are padded differently
 
 
-def _dw_model(channels, size, stride, kernel=3, epilogue="clip", seed=0):
-    """x -> depthwise Conv (bias, same padding) -> epilogue: "none", "clip" (relu6), "residual"
-    (add a second input), "silu" or "bn_silu" (BatchNormalization, then SiLU)."""
+def _dw_model(channels, size, stride, kernel=3, epilogue="clip", seed=0, pads=None):
+    """x -> depthwise Conv (bias, same padding unless ``pads``: ONNX's [top, left, bottom,
+    right]) -> epilogue: "none", "clip" (relu6), "residual" (add a second input), "silu" or
+    "bn_silu" (BatchNormalization, then SiLU)."""
     g = models.GraphBuilder("dw", seed)
     x = g.input("x", (1, channels, size, size))
     w = g.weight("dw_w", (channels, 1, kernel, kernel))
     b = g.const("dw_b", g.rng.standard_normal(channels).astype(np.float32) * 0.1)
-    pad = kernel // 2
+    pads = pads or [kernel // 2] * 4
     y = g.op(
-        "Conv", [x, w, b], kernel_shape=[kernel, kernel], pads=[pad] * 4, strides=[stride] * 2, group=channels
+        "Conv", [x, w, b], kernel_shape=[kernel, kernel], pads=pads, strides=[stride] * 2, group=channels
     )
-    out = (size + 2 * pad - kernel) // stride + 1
+    out = (size + pads[0] + pads[2] - kernel) // stride + 1
     if epilogue == "clip":
         y = g.relu6(y)
     elif epilogue == "residual":
@@ -159,12 +160,15 @@ def test_depthwise_is_one_kernel_padding_per_task_without_gathers():
     assert any(lp.kind == tirx.ForKind.VECTORIZED for lp in loops)
 
 
-@pytest.mark.parametrize("size,kernel", [(56, 3), (15, 3), (24, 5)])
-def test_stride_2_phase_copy_splits_off_its_padded_borders(size, kernel):
+@pytest.mark.parametrize(
+    "size,kernel,pads",
+    [(56, 3, None), (15, 3, None), (24, 5, None), (28, 3, [0, 0, 1, 1])],  # the last: no left padding
+)
+def test_stride_2_phase_copy_splits_off_its_padded_borders(size, kernel, pads):
     """The phase copy computes the zero padding, its column loop split into the borders and the
-    interior: every column the interior copies is inside the input (no condition left to mask),
-    and it is the widest such range (each border copies at least one padded column)."""
-    model = _dw_model(32, size, 2, kernel)
+    interior: every column the interior copies is inside the input (no column condition left to
+    mask), and it is the widest such range (each border copies at least one padded column)."""
+    model = _dw_model(32, size, 2, kernel, pads=pads)
     ((_, func),) = _prim_funcs(_lowered(model)).items()
     stmts = list(tir_stmts(func.body))
     loops = {lp.loop_var.name: lp for lp in stmts if isinstance(lp, tirx.For)}
@@ -175,14 +179,18 @@ def test_stride_2_phase_copy_splits_off_its_padded_borders(size, kernel):
             parts.append(range(int(q.min), int(q.min) + int(q.extent)))
     parts.sort(key=lambda r: r.start)
     assert len(parts) >= 2 and [p.start for p in parts[1:]] == [p.stop for p in parts[:-1]]
-    left = kernel // 2
+    left = (pads or [kernel // 2] * 4)[1]
 
     def padded(q) -> bool:  # input column q * 2 + r - left outside the input, for some r
         return any(not 0 <= q * 2 + r - left < size for r in range(2))
 
     inside = [p for p in parts if not any(padded(q) for q in p)]
     assert len(inside) == 1 and all(any(padded(q) for q in p) for p in parts if p is not inside[0])
-    assert padded(inside[0].start - 1) and padded(inside[0].stop)
+    assert (inside[0].start == 0 or padded(inside[0].start - 1)) and padded(inside[0].stop)
+    feeds = models.random_inputs(model, seed=1)
+    built = tvm_fusion.build(model, ZNVER3, tuning_logs=None)
+    ref = ort_run(model, feeds)
+    assert float(np.abs(run_executable(built.executable, feeds) - ref).max() / np.abs(ref).max()) <= 1e-5
 
 
 def test_which_convs_take_the_depthwise_form():

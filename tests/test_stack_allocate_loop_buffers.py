@@ -66,8 +66,9 @@ def test_per_task_buffers_leave_the_workspace_pool(built):
     funcs = kernels(result)
     before = [workspace_calls(f, "default") for f in funcs]
     after = [workspace_calls(f, CPU_TIR_PIPELINE) for f in funcs]
-    # the depthwise task's padded and polyphase rows and its accumulators leave the pool
-    assert sum(before) >= 3, before
+    # the depthwise task's polyphase rows (which compute the padding too) and its accumulators
+    # leave the pool
+    assert sum(before) >= 2, before
     assert after == [0] * len(funcs), after
 
 
@@ -136,7 +137,7 @@ def test_build_compiles_cpu_kernels_with_the_pass(monkeypatch):
     monkeypatch.setattr(stack._Rewriter, "_alloc", spy)
     model, _ = depthwise_then_pointwise()
     build(model, llvm_target(), name="dw_pw_spy", tuning_logs=None)
-    assert any("pad" in name for name in annotated), annotated
+    assert any("phase" in name for name in annotated), annotated  # the depthwise task's rows
 
 
 def test_only_cpu_builds_use_the_stack_pipeline():

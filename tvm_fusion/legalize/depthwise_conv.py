@@ -11,7 +11,7 @@ The conv becomes up to four TE stages, each block annotated ``tvm_fusion.depthwi
 (the ``Depthwise`` schedule rule recognises them by that, ``schedules/depthwise.py``):
 
 * ``pad``: the zero-padded input ``d_pad`` (computed per task by the schedule, a few rows at a
-  time);
+  time; with a stride, by default inside the phase copy);
 * ``phase`` (stride > 1 only): ``P[b, c, y, r, q] = d_pad[b, c, y, q·s + r]``, so that the input
   column ``x·s + kw`` of every output column ``x`` is the contiguous vector
   ``P[.., kw mod s, x + kw / s]`` (the polyphase layout Winograd's pad uses);
@@ -31,7 +31,7 @@ from .conv_args import cpu_float32_nchw_conv
 
 STAGE = "tvm_fusion.depthwise"  # block annotation: pad / phase / conv / crop
 GROUP_OUT = "tvm_fusion.group_channels"  # on the conv block: output channels per group
-PAD_COLUMNS = "tvm_fusion.pad_columns"  # on the pad block: [left padding, input width]
+PAD_COLUMNS = "tvm_fusion.pad_columns"  # on a strided conv's pad block: [left padding, input width]
 # Stride-1 outputs narrower than this keep TVM's conv (Contraction vectorizes those over the
 # plane): on 7×7 planes the per-row padding costs more than it saves (0.021 vs 0.014 ms, 960 ch)
 MIN_WIDTH = 8
@@ -68,9 +68,9 @@ def depthwise_conv2d_nchw(data, weight, strides, padding, width: int, dtype: str
         inside = tirx.all(yy >= 0, yy < h_, xx >= 0, xx < w_)
         return tirx.if_then_else(inside, data[b, c, yy, xx], tirx.const(0.0, data.dtype))
 
-    pad = te.compute(
-        (n_, c_, rows, cols * sw), padded, name="depthwise_pad", attrs={STAGE: "pad", PAD_COLUMNS: [pl, w_]}
-    )
+    # with a stride, the schedule computes the padding in the phase copy and needs its columns
+    pad_attrs = {STAGE: "pad", **({PAD_COLUMNS: [pl, w_]} if sw > 1 else {})}
+    pad = te.compute((n_, c_, rows, cols * sw), padded, name="depthwise_pad", attrs=pad_attrs)
     if sw == 1:
 
         def window(b, c, y, kw, x):
