@@ -291,8 +291,9 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
         save(llvm_error=f"{path}: not exported (run `scripts/zoo.py export` with the zoo extra)")
         return
     model = onnx.load(str(path))
-    if export_note(model):
-        save(export_note=export_note(model))
+    note = export_note(model)
+    if note:
+        save(export_note=note)
     feeds = feeds_for(model)
     target = llvm_target()
     threads = int(target.attrs["num-cores"])

@@ -376,7 +376,7 @@ class Contraction(CpuRule):
         out_region = stmt.writes[0]
         cores = num_cores(target)
         # per value of the symbolic iters (their loops run outside every tile)
-        total = math.prod(it.dom for it in main_info.iters if it.kind == "S" and isinstance(it.dom, int))
+        total = _static_points(main_info)
         r_vars = [it.var for it in main_info.iters if it.kind == "R"]
         r_steps = math.prod(it.dom for it in main_info.iters if it.kind == "R")
         ranked = {}  # (v iter, vt, row iter, rt) -> sort key
@@ -461,7 +461,7 @@ class Contraction(CpuRule):
                             # are skipped, but the tile costs as much as a full one
                             cost *= math.ceil(row_it.dom / rt) * rt / row_it.dom + RAGGED_PENALTY
                         # load imbalance across cores (1 tile on 2 cores: half the machine idles)
-                        cost *= _imbalance(_tiles(total, vt, rt), cores)
+                        cost *= _tile_imbalance(total, vt, rt, cores)
                         # ties: rows along the output's contiguous dim (broadcast operands then
                         # walk memory contiguously), then the narrower vector (smaller packed panel)
                         row_last = (
@@ -663,7 +663,7 @@ def _charge_blocked_imbalance(plans, main_info, reads, layout_free, target) -> l
     if _single_threaded([it.dom if isinstance(it.dom, int) else None for it in main_info.iters]):
         return plans  # no parallel loop, no blocking (see apply)
     cores = num_cores(target)
-    points = math.prod(it.dom for it in main_info.iters if it.kind == "S" and isinstance(it.dom, int))
+    points = _static_points(main_info)
     charged = []
     for v_it, vt, row_it, rt, cost in plans:
         slots = _tile_slots(main_info, v_it, row_it)
@@ -673,8 +673,7 @@ def _charge_blocked_imbalance(plans, main_info, reads, layout_free, target) -> l
             exts = _tile_counts(main_info, v_it, vt, row_it, rt, slots)
             tasks = _parallel_tasks(main_info, exts, blocking[0])
         if tasks is not None:
-            charged_already = _imbalance(_tiles(points, vt, rt), cores)  # by _plans
-            cost *= max(1.0, _imbalance(tasks, cores) / charged_already)
+            cost *= max(1.0, _imbalance(tasks, cores) / _tile_imbalance(points, vt, rt, cores))
         charged.append((v_it, vt, row_it, rt, round(cost, 3)))
     order = sorted(range(len(charged)), key=lambda i: (charged[i][4], i))  # stable: the model's ties
     return [charged[i] for i in order]
@@ -820,10 +819,15 @@ def _imbalance(tasks: int, cores: int) -> float:
     return math.ceil(tasks / cores) * cores / max(tasks, 1)
 
 
-def _tiles(points: int, vt: int, rt: int) -> int:
-    """Whole tiles of ``vt x rt`` in ``points`` spatial points; at least 1 (a padded vector
-    tile may be larger than the iteration space)."""
-    return max(points // (vt * rt), 1)
+def _static_points(main_info) -> int:
+    """Spatial points of the block per value of its symbolic iters (a dynamic batch)."""
+    return math.prod(it.dom for it in main_info.iters if it.kind == "S" and isinstance(it.dom, int))
+
+
+def _tile_imbalance(points: int, vt: int, rt: int, cores: int) -> float:
+    """The imbalance ``_plans`` charges a plan: its whole ``vt x rt`` tiles over the cores (at
+    least one tile: a padded vector tile may be larger than the iteration space)."""
+    return _imbalance(max(points // (vt * rt), 1), cores)
 
 
 def _single_threaded(extents: list[int | None]) -> bool:
