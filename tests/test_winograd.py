@@ -112,9 +112,9 @@ def test_winograd_kernel_and_epilogue_are_one_kernel_with_a_constant_weight():
     assert len(funcs) == 1, list(funcs)  # conv + bias + residual add + relu: one kernel
     ((name, func),) = funcs.items()
     assert name.endswith("_prepacked")
-    # the run-time kernel: pad, input transform, GEMM (the output transform is inlined into the
-    # epilogue block); no weight transform
-    assert _stages(func) == {"pad", "input", "gemm"}
+    # the run-time kernel: pad, input transform (its row pass, then its column pass), GEMM (the
+    # output transform is inlined into the epilogue block); no weight transform
+    assert _stages(func) == {"pad", "input_rows", "input", "gemm"}
     # it takes the transformed weight (alpha x alpha x K-blocks x C x vt) as a bound constant
     calls = [
         b.value for blk in mod["main"].body.blocks for b in blk.bindings if isinstance(b.value, relax.Call)
@@ -135,6 +135,33 @@ def test_winograd_kernel_and_epilogue_are_one_kernel_with_a_constant_weight():
     # the numbers are right too
     feeds = _feeds(model)
     got = run_executable(tvm.compile(mod, target=ZNVER3), feeds)
+    assert _rel_err(got, ort_run(model, feeds)) <= 1e-4
+
+
+def test_input_transform_is_separable_per_task_over_whole_vectors_of_tiles():
+    """V = Bᵀ d B as a row pass then a column pass (F(4): half the terms of the double sum), the
+    row pass computed inside each parallel task (no full-size intermediate), both over a tile
+    count rounded up to whole vectors (13 tiles of a 52-wide output: one 16-lane vector, not
+    8 + 4 + 1 lanes), while the GEMM reads only the real tiles; the numbers still match."""
+    model = _conv_model(16, 32, 52, 1, "relu")
+    mod = _lowered(model, "winograd4", target=llvm_target("skylake-avx512"))
+    ((_, func),) = _prim_funcs(mod).items()
+    sch = tvm.s_tir.Schedule(func)
+    rows, inp, gemm = (
+        sch.get_sblock(n) for n in ("winograd_input_rows", "winograd_input", "winograd_gemm_update")
+    )
+    task = sch.get_loops(inp)[0]
+    assert sch.get(task).kind == tirx.ForKind.PARALLEL
+    assert sch.get(sch.get_loops(rows)[0]).same_as(sch.get(task))  # the row pass runs inside the task
+    for blk in (rows, inp):
+        (vector,) = [lp for lp in sch.get_loops(blk) if sch.get(lp).kind == tirx.ForKind.VECTORIZED]
+        assert int(sch.get(vector).extent) == 16
+    v_buf = sch.get(inp).writes[0].source
+    assert int(v_buf.shape[-1]) == 16  # 13 tiles, padded
+    gemm_v = [r for r in sch.get(gemm).reads if r.source.same_as(v_buf)]
+    assert gemm_v and int(gemm_v[0].region[-1].extent) <= 13  # the GEMM reads real tiles only
+    feeds = _feeds(model)
+    got = run_executable(tvm.compile(mod, target=llvm_target("skylake-avx512")), feeds)
     assert _rel_err(got, ort_run(model, feeds)) <= 1e-4
 
 

@@ -13,7 +13,8 @@ The conv becomes four TE stages, each block annotated ``tvm_fusion.winograd = <s
 * ``pad``: the zero-padded input (up to whole tiles) in polyphase layout
   ``P[b, c, y, r, q] = d[b, c, y, q·m + r]``, so that column ``tx·m + j`` of every tile in a row
   is a contiguous vector ``P[.., j mod m, tx + j / m]`` over the tiles;
-* ``input``: ``V[e, ν, c, b, ty, tx] = Σ B[a, e] d[b, c, ty·m + a, tx·m + a'] B[a', ν]``;
+* ``input``: ``V[e, ν, c, b, ty, tx] = Σ B[a, e] d[b, c, ty·m + a, tx·m + a'] B[a', ν]`` (for F(4) in two
+  passes, ``input_rows`` = d B first), over the tile columns rounded up to whole vectors;
 * ``gemm``: ``M[e, ν, k, b, ty, tx] = Σ_c U[e, ν, c, k] V[e, ν, c, b, ty, tx]``, a batch of α²
   GEMMs (the only reduction);
 * ``output``: ``Y[b, k, h, w] = Σ A[e, h mod m] M[e, ν, k, b, h / m, w / m] A[ν, w mod m]``, the
@@ -43,6 +44,7 @@ from tvm import relax, te, tirx
 from tvm.topi.nn import winograd_util
 
 from .conv_args import cpu_float32_nchw_conv
+from .depthwise_conv import padded_width
 
 STAGE = "tvm_fusion.winograd"  # block annotation: weight / input / gemm / output
 TILE = "tvm_fusion.winograd_tile"  # block annotation on every stage: m
@@ -59,6 +61,15 @@ def transform_matrices(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     points = winograd_util._interpolation_points(alpha)  # pylint: disable=protected-access
     a, b, g = winograd_util._cook_toom_convolution(points, m, 3)  # pylint: disable=protected-access
     return np.asarray(a, np.float64), np.asarray(b, np.float64), np.asarray(g, np.float64)
+
+
+def separable_input_transform(m: int) -> bool:
+    """Whether F(m)'s input transform is computed as two passes (rows, then columns): when that
+    computes fewer terms than the double sum over the tile (see ``winograd_conv2d_nchw``)."""
+    _, b_mat, _ = transform_matrices(m)
+    nnz = (b_mat != 0).sum(axis=0)  # non-zeros per column of B
+    alpha = m + 2
+    return 2 * alpha * int(nnz.sum()) < int(nnz.sum()) ** 2
 
 
 def _weighted_sum(terms, dtype):
@@ -88,8 +99,11 @@ def _select(index_vars, cases: dict, dtype):
     return expr
 
 
-def winograd_conv2d_nchw(data, weight, padding, m: int, out_dtype: str | None = None, signature: str = ""):
-    """TE of the Winograd conv (see module docstring); returns the NCHW output tensor."""
+def winograd_conv2d_nchw(
+    data, weight, padding, m: int, out_dtype: str | None = None, signature: str = "", lanes: int = 1
+):
+    """TE of the Winograd conv (see module docstring); returns the NCHW output tensor. ``lanes``:
+    the SIMD width the input transform is vectorized with (it runs over whole vectors of tiles)."""
     n_, c_, h_, w_ = (int(x) for x in data.shape)
     k_, _, kh_, kw_ = (int(x) for x in weight.shape)
     assert kh_ == kw_ == 3
@@ -105,7 +119,13 @@ def winograd_conv2d_nchw(data, weight, padding, m: int, out_dtype: str | None = 
     # layout, P[b, c, y, r, q] = d_pad[b, c, y, q·m + r]: column tx·m + j of a tile row is then
     # P[.., j mod m, tx + j / m], so the transform below reads whole vectors along the tiles
     # of a row where the plain layout would need a gather (stride m) per window element
-    rows, phase_len = nh * m + 2, nw + (alpha - 1) // m
+    # The input transform runs over whole vectors of tile columns when a row has more than half a
+    # vector of tiles (14 tiles: one 16-lane vector, not 8 + 4 + 2 lanes per load and store; 64ch
+    # 56x56 F(4) 0.51 -> 0.45 ms); the GEMM reads only the real ones. Fewer tiles stay as they are
+    # (7 -> 8 was 6 % slower at 128->32 14x14 F(2)). The phase length is a multiple of 4, so the
+    # pad stage vectorizes (17 would not be).
+    nw_v = padded_width(nw, lanes) if nw > lanes // 2 else nw
+    rows, phase_len = nh * m + 2, -(-(nw_v + (alpha - 1) // m) // 4) * 4
 
     def polyphase(b, c, y, r, q):
         yy, xx = y - pt, q * m + r - pl
@@ -132,23 +152,64 @@ def winograd_conv2d_nchw(data, weight, padding, m: int, out_dtype: str | None = 
         (alpha, alpha, c_, k_), weight_transform, name="winograd_weight", attrs={STAGE: "weight", **ann}
     )
 
-    def input_transform(e, nu, c, b, ty, tx):
-        cases = {}
-        for ei in range(alpha):
-            for ni in range(alpha):
-                terms = [
-                    (
-                        b_mat[i, ei] * b_mat[j, ni],
-                        data_pad[b, c, ty * m + i, j % m, tx + j // m].astype(dtype),
-                    )
-                    for i in range(alpha)
-                    for j in range(alpha)
-                ]
-                cases[(ei, ni)] = _weighted_sum(terms, dtype)
-        return _select((e, nu), cases, dtype)
+    # V = Bᵀ d B. F(4): in two passes, d B along each of the tile's α input rows, then Bᵀ (·) down
+    # the columns: 2 α³ terms where the double sum has up to α⁴ (~330 vs ~650 per tile: the
+    # low-error points make B dense; 64ch 56x56 0.50 -> 0.45 ms with the whole vectors below,
+    # 128->32 28x28 0.19 -> 0.14 ms). F(2)'s B has two non-zeros per column: two passes would
+    # compute as many terms as the double sum, plus the intermediate.
+    def window(b, c, ty, tx, y, x):  # d[b, c, ty·m + y, tx·m + x], in the polyphase layout
+        return data_pad[b, c, ty * m + y, x % m, tx + x // m].astype(dtype)
+
+    if separable_input_transform(m):
+
+        def input_rows(i, nu, c, b, ty, tx):
+            cases = {
+                (ii, ni): _weighted_sum(
+                    [(b_mat[j, ni], window(b, c, ty, tx, ii, j)) for j in range(alpha)], dtype
+                )
+                for ii in range(alpha)
+                for ni in range(alpha)
+            }
+            return _select((i, nu), cases, dtype)
+
+        rows_v = te.compute(
+            (alpha, alpha, c_, n_, nh, nw_v),
+            input_rows,
+            name="winograd_input_rows",
+            attrs={STAGE: "input_rows", **ann},
+        )
+
+        def input_transform(e, nu, c, b, ty, tx):
+            cases = {
+                (ei,): _weighted_sum(
+                    [(b_mat[i, ei], rows_v[i, nu, c, b, ty, tx]) for i in range(alpha)], dtype
+                )
+                for ei in range(alpha)
+            }
+            return _select((e,), cases, dtype)
+
+    else:
+
+        def input_transform(e, nu, c, b, ty, tx):
+            cases = {
+                (ei, ni): _weighted_sum(
+                    [
+                        (b_mat[i, ei] * b_mat[j, ni], window(b, c, ty, tx, i, j))
+                        for i in range(alpha)
+                        for j in range(alpha)
+                    ],
+                    dtype,
+                )
+                for ei in range(alpha)
+                for ni in range(alpha)
+            }
+            return _select((e, nu), cases, dtype)
 
     v = te.compute(
-        (alpha, alpha, c_, n_, nh, nw), input_transform, name="winograd_input", attrs={STAGE: "input", **ann}
+        (alpha, alpha, c_, n_, nh, nw_v),
+        input_transform,
+        name="winograd_input",
+        attrs={STAGE: "input", **ann},
     )
     rc = te.reduce_axis((0, c_), name="rc")
     mm = te.compute(
@@ -289,5 +350,6 @@ def legalize_conv2d_winograd(bb: relax.BlockBuilder, call: relax.Call):
         m,
         None,
         signature,
+        conv["lanes"],
         primfunc_name_hint=f"conv2d_winograd{m}",
     )
