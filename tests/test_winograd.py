@@ -192,11 +192,13 @@ def test_winograd_only_on_cpu():
 
 
 def test_untuned_choice_follows_the_measured_rule():
-    # ResNet-18's 3x3 convs (docs/winograd.md): 56 and 28 -> F(4), 14 -> F(2), 7 -> direct
+    # ResNet-18's 3x3 convs (docs/winograd.md): 56 and 28 -> F(4), 14 and 7 -> F(2)
     assert default_algorithm(64, 64, {2: 784, 4: 196}, 16) == "winograd4"
     assert default_algorithm(128, 128, {2: 196, 4: 49}, 8) == "winograd4"
     assert default_algorithm(256, 256, {2: 49, 4: 16}, 16) == "winograd2"
-    assert default_algorithm(512, 512, {2: 16, 4: 4}, 16) == "direct"
+    assert default_algorithm(512, 512, {2: 16, 4: 4}, 16) == "winograd2"  # 16 tiles, but wide
+    assert default_algorithm(128, 32, {2: 16, 4: 4}, 16) == "direct"  # DenseNet's 7x7: narrow
+    assert default_algorithm(512, 512, {2: 9, 4: 4}, 16) == "direct"
     assert default_algorithm(3, 64, {2: 784, 4: 196}, 16) == "direct"  # few channels
     # squeezenet's 16 -> 64 expand conv at 55x55 gains (0.32 -> 0.21 ms); 16 outputs lose
     assert default_algorithm(16, 64, {2: 784, 4: 196}, 16) == "winograd4"

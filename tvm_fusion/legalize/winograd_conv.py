@@ -276,33 +276,39 @@ def chosen_algorithm(signature: str, conv: dict) -> str:
     return default_algorithm(**conv)
 
 
-# The untuned choice, from per-layer measurements (docs/winograd.md, ResNet-18's 3x3 convs, one
-# thread, CPU time, ms; direct / F(2) / F(4)): 64ch 56x56 1.53 / 1.42 / 0.84, 128ch 28x28
-# 1.53 / 1.03 / 0.67, 256ch 14x14 1.09 / 0.82 / 1.53, 512ch 7x7 1.41 / 2.35 / 3.01. Winograd
-# wins while there are enough tiles to reuse each transformed weight (α²/9 times the weight's size,
-# streamed once per output-channel block): 49 tiles or more won, 16 or fewer lost, for both tile
-# sizes, and the larger tile wins when both have enough. Few channels keep the direct conv, the
-# GEMM then being too short to pay for the transforms. Measured at 55x55 and 27x27 (AVX-512 and
-# AVX2 code, ms direct / F(4)): 16->64 0.32 / 0.21 (AVX2 0.32 / 0.25), 16->32 0.15 / 0.12, 24->96
+# The untuned choice, from per-layer measurements (docs/winograd.md, ResNet-18's 3x3 convs, conv +
+# bias + relu alone, 2 threads, AMD EPYC znver4, ms; direct / F(2) / F(4)): 64ch 56x56 1.09 / 0.62 /
+# 0.46, 128ch 28x28 1.06 / 0.57 / 0.36, 256ch 14x14 1.02 / 0.52 / 0.45, 512ch 7x7 1.03 / 0.68 /
+# 1.17. Alone, the transformed weight (α²/9 times the weight's size) stays in cache; in the model
+# it streams from memory once per output-channel block, so what wins there needs enough tiles to
+# reuse it: 49 tiles or more won for both tile sizes, the larger tile winning when both have
+# enough; 256ch 14x14 in F(4) (16 tiles) lost in ResNet-18 (0.62 -> 0.74 ms per conv). With 16
+# tiles F(2) still wins when the GEMM is wide: 512ch 7x7 in ResNet-18, 1.20 -> 1.06 ms per conv
+# (DenseNet's 128->32 7x7 convs lost 1 % of the model). Few channels keep the direct conv, the GEMM
+# then being too short to pay for the transforms. Measured at 55x55 and 27x27 (AVX-512 and AVX2
+# code, ms direct / F(4)): 16->64 0.32 / 0.21 (AVX2 0.32 / 0.25), 16->32 0.15 / 0.12, 24->96
 # (27x27) 0.17 / 0.10 won; 8->32 0.10 / 0.10, 8->64 0.20 / 0.24, 16->16 0.12 / 0.19, 32->16 (27x27)
 # 0.04 / 0.06 did not: 16 input channels are enough, 16 output channels are not.
 MIN_TILES = 32
+MIN_TILES_WIDE = 16  # F(2) for a conv with at least MIN_WIDE_CHANNELS in and out
+MIN_WIDE_CHANNELS = 512
 MIN_CHANNELS_IN = 16
 MIN_CHANNELS_OUT = 32
 
 
 def default_algorithm(channels_in: int, channels_out: int, tiles: dict, lanes: int = 1, **_) -> str:
     """The untuned algorithm for a conv (see the measurements above): F(4) if it has at least
-    ``MIN_TILES`` output tiles, else F(2) if that has, else direct; direct for fewer than
-    ``MIN_CHANNELS_IN`` input or ``MIN_CHANNELS_OUT`` output channels, or output channels not a
-    whole number of SIMD vectors."""
+    ``MIN_TILES`` output tiles, else F(2) if that has (or ``MIN_TILES_WIDE``, for a conv at least
+    ``MIN_WIDE_CHANNELS`` wide), else direct; direct for fewer than ``MIN_CHANNELS_IN`` input or
+    ``MIN_CHANNELS_OUT`` output channels, or output channels not a whole number of SIMD vectors."""
     too_few = channels_in < MIN_CHANNELS_IN or channels_out < MIN_CHANNELS_OUT
     if too_few or channels_out % lanes:
         return DIRECT
     for algorithm in ("winograd4", "winograd2"):
         if tiles[FORMS[algorithm]] >= MIN_TILES:
             return algorithm
-    return DIRECT
+    wide = min(channels_in, channels_out) >= MIN_WIDE_CHANNELS
+    return "winograd2" if wide and tiles[FORMS["winograd2"]] >= MIN_TILES_WIDE else DIRECT
 
 
 def eligible_conv(call: relax.Call) -> dict | None:
