@@ -81,6 +81,7 @@ GROUPED = [
     (48, 48, 6, 28, 2),  # RegNet: 8 channels per group
     (16, 32, 4, 13, 1),  # ResNeXt-like: 4 in, 8 out per group
     (8, 16, 8, 18, 1),  # depthwise with a channel multiplier of 2
+    (3, 24, 1, 23, 2),  # an RGB stem: one group of 3 input channels
 ]
 
 
@@ -206,19 +207,32 @@ def test_which_convs_take_the_depthwise_form():
     y = g.op("Conv", [x, g.weight("w", (64, 32, 3, 3))], kernel_shape=[3, 3], pads=[1] * 4, group=2)
     grouped = g.finish([y])
     assert not any(_stages(f) for f in _prim_funcs(_lowered(grouped)).values())
-    # ungrouped convs never, not even an RGB stem (measured in the models: no faster)
-    g = models.GraphBuilder("stem", 0)
-    y = g.op(
-        "Conv",
-        [g.input("x", (1, 3, 32, 32)), g.weight("w", (16, 3, 3, 3))],
-        kernel_shape=[3, 3],
-        strides=[2, 2],
-    )
-    assert not any(_stages(f) for f in _prim_funcs(_lowered(g.finish([y]))).values())
+    # ungrouped convs only as RGB stems: few input channels, stride 1 or 2 (a patchifying stride-4
+    # stem, and a 16-channel conv, keep TVM's conv)
+    for cin, stride, ours in ((3, 2, True), (3, 1, True), (3, 4, False), (16, 2, False)):
+        g = models.GraphBuilder("stem", 0)
+        y = g.op(
+            "Conv",
+            [g.input("x", (1, cin, 32, 32)), g.weight("w", (16, cin, 3, 3))],
+            kernel_shape=[3, 3],
+            strides=[stride, stride],
+        )
+        assert any(_stages(f) for f in _prim_funcs(_lowered(g.finish([y]))).values()) == ours, (cin, stride)
     # a plain LegalizeOps elsewhere in the process (stock TVM's flow) keeps TVM's conv
     with ZNVER3:
         stock = relax.transform.LegalizeOps()(import_onnx(_dw_model(32, 28, 2)).mod)
     assert not any(_stages(f) for f in _prim_funcs(stock).values())
+
+
+def test_rows_of_a_wide_group_balance_input_loads_against_weight_loads():
+    """A micro-kernel of r rows x c channels loads r input vectors and c weights per step for r x c
+    FMAs: depthwise (one channel) takes the most rows; a stem's 64 channels, 4 rows x 4 channels."""
+    from tvm_fusion.schedules.depthwise import channel_choices, row_choices
+
+    assert row_choices(112) == [8, 7, 4, 2]
+    assert row_choices(112, group_out=64, registers=32)[0] == 4
+    assert channel_choices(64, 4, 32)[0] == 4
+    assert row_choices(28, group_out=8, registers=32)[0] == 4  # RegNet's groups of 8
 
 
 def test_rule_space_of_a_depthwise_kernel_contains_the_default():
