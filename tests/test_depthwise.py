@@ -207,17 +207,27 @@ def test_which_convs_take_the_depthwise_form():
     y = g.op("Conv", [x, g.weight("w", (64, 32, 3, 3))], kernel_shape=[3, 3], pads=[1] * 4, group=2)
     grouped = g.finish([y])
     assert not any(_stages(f) for f in _prim_funcs(_lowered(grouped)).values())
-    # ungrouped convs only as RGB stems: few input channels, stride 1 or 2 (a patchifying stride-4
-    # stem, and a 16-channel conv, keep TVM's conv)
-    for cin, stride, ours in ((3, 2, True), (3, 1, True), (3, 4, False), (16, 2, False)):
+    # ungrouped convs only as RGB stems: few input channels, stride 1 or 2, a window wider than the
+    # stride (a patchifying stride-4 stem, a 1x1 conv and a 16-channel conv keep TVM's conv)
+    for cin, stride, k, ours in (
+        (3, 2, 3, True),
+        (3, 1, 3, True),
+        (3, 4, 4, False),
+        (3, 1, 1, False),
+        (16, 2, 3, False),
+    ):
         g = models.GraphBuilder("stem", 0)
         y = g.op(
             "Conv",
-            [g.input("x", (1, cin, 32, 32)), g.weight("w", (16, cin, 3, 3))],
-            kernel_shape=[3, 3],
+            [g.input("x", (1, cin, 32, 32)), g.weight("w", (16, cin, k, k))],
+            kernel_shape=[k, k],
             strides=[stride, stride],
         )
-        assert any(_stages(f) for f in _prim_funcs(_lowered(g.finish([y]))).values()) == ours, (cin, stride)
+        assert any(_stages(f) for f in _prim_funcs(_lowered(g.finish([y]))).values()) == ours, (
+            cin,
+            stride,
+            k,
+        )
     # a plain LegalizeOps elsewhere in the process (stock TVM's flow) keeps TVM's conv
     with ZNVER3:
         stock = relax.transform.LegalizeOps()(import_onnx(_dw_model(32, 28, 2)).mod)

@@ -156,12 +156,24 @@ def test_input_transform_is_separable_per_task_over_whole_vectors_of_tiles():
     for blk in (rows, inp):
         (vector,) = [lp for lp in sch.get_loops(blk) if sch.get(lp).kind == tirx.ForKind.VECTORIZED]
         assert int(sch.get(vector).extent) == 16
-    v_buf = sch.get(inp).writes[0].source
-    assert int(v_buf.shape[-1]) == 16  # 13 tiles, padded
-    gemm_v = [r for r in sch.get(gemm).reads if r.source.same_as(v_buf)]
-    assert gemm_v and int(gemm_v[0].region[-1].extent) <= 13  # the GEMM reads real tiles only
+    assert int(sch.get(inp).writes[0].source.shape[-1]) == 16  # 13 tiles, padded
+    assert int(sch.get(gemm).iter_vars[5].dom.extent) == 13  # the GEMM computes the real tiles only
     feeds = _feeds(model)
     got = run_executable(tvm.compile(mod, target=llvm_target("skylake-avx512")), feeds)
+    assert _rel_err(got, ort_run(model, feeds)) <= 1e-4
+
+
+def test_input_transform_of_a_one_tile_row_stays_parallel():
+    """A 4-wide F(4) output is one tile column: the row pass then has no tile loop of its own, and
+    must not take the task loop for one of its transform-point loops (it once unrolled it)."""
+    model = _conv_model(16, 32, 6, 0, "relu")
+    ((_, func),) = _prim_funcs(_lowered(model, "winograd4")).items()
+    sch = tvm.s_tir.Schedule(func)
+    for name in ("winograd_input_rows", "winograd_input"):
+        kinds = [sch.get(lp).kind for lp in sch.get_loops(sch.get_sblock(name))]
+        assert kinds[0] == tirx.ForKind.PARALLEL, (name, kinds)
+    feeds = _feeds(model)
+    got = run_executable(tvm.compile(_lowered(model, "winograd4"), target=ZNVER3), feeds)
     assert _rel_err(got, ort_run(model, feeds)) <= 1e-4
 
 

@@ -8,8 +8,8 @@
   ``power(x, c)`` for c in 1..4 as products.
 * ``winograd_conv``: 3×3 stride-1 NCHW conv2d on LLVM CPUs as Winograd F(2×2,3×3) / F(4×4,3×3),
   where the pipeline's decision (``winograd_conv.conv_algorithms``) or the cost rule says so.
-* ``depthwise_conv``: depthwise NCHW conv2d on LLVM CPUs with a polyphase padded input and whole
-  output vectors (stride-2 windows without gathers).
+* ``depthwise_conv``: depthwise, narrow grouped and RGB-stem NCHW conv2d on LLVM CPUs with a
+  polyphase padded input and whole output vectors (stride-2 windows without gathers).
 * ``strided_pointwise_conv``: 1×1 NCHW conv2d with a stride on LLVM CPUs as a subsample stage and
   a stride-1 conv (a GEMM over the contiguous plane, no gathers).
 

@@ -6,10 +6,12 @@ width ``x`` that is a gather whenever the stride ``s`` is 2 (one load per lane),
 of MobileNet-style planes (7, 14, 28, 56) are not whole AVX-512 vectors. Measured on
 mobilenet_v2: its 112×112 stride-2 depthwise kernel ran at 8 GFLOP/s and the depthwise kernels
 took 2.2 of the model's 4.9 ms; RegNet's grouped convs (8 channels per group) the same.
-A network's RGB stem (3 input channels, stride 1 or 2) is one such group: with lanes on output
+A network's RGB stem (up to 4 input channels, stride 1 or 2, a window wider than the stride) is
+one such group: with lanes on output
 columns its epilogue stores whole vectors where TVM's conv, lanes on output channels, scatters
-single lanes into the NCHW output after only 27-147 reduction steps (ResNet's 7x7/2 stem in the
-model: 1.75 -> 1.25 ms, mobilenet_v2's 3x3/2 0.23 -> 0.18 ms, squeezenet's 0.62 -> 0.54 ms).
+single lanes into the NCHW output after only 27-147 reduction steps (in the model: ResNet's
+7x7/2 stem 1.52 -> 1.26 ms, mobilenet_v2's 3x3/2 0.26 -> 0.24 ms; squeezenet's 3x3/2, 111 rows
+in tasks of 3, 0.31 -> 0.33 ms).
 
 The conv becomes up to four TE stages, each block annotated ``tvm_fusion.depthwise = <stage>``
 (the ``Depthwise`` schedule rule recognises them by that, ``schedules/depthwise.py``):
@@ -46,8 +48,9 @@ MIN_WIDTH_3X3 = 16
 # Grouped convs with at most this many input channels per group take the same form (RegNet's
 # group width is 8, ResNeXt's 4); wider groups are GEMM-like enough for the Contraction rule.
 MAX_GROUP_CHANNELS = 16
-# A dense conv with at most this many input channels and stride 1 or 2 (a network's stem on RGB)
-# is one group; patchifying stems (ViT's 16x16/16, ConvNeXt's 4x4/4) are GEMMs, not these
+# A dense conv with at most this many input channels, stride 1 or 2 and a window wider than the
+# stride (a network's stem on RGB) is one group; patchifying stems (ViT's 16x16/16, ConvNeXt's
+# 4x4/4) and 1x1 convs are GEMMs, not these
 MAX_STEM_CHANNELS = 4
 
 
@@ -116,9 +119,11 @@ def depthwise_conv2d_nchw(data, weight, strides, padding, width: int, dtype: str
 
 
 def eligible_conv(call: relax.Call) -> dict | None:
-    """The conv's facts if it is a depthwise conv this lowering covers (NCHW / OIHW, one filter
-    per channel or narrow groups, dilation 1, static float32 shapes, stride 2 or an output width
-    ≥ ``MIN_WIDTH`` (``MIN_WIDTH_3X3`` for depthwise 3×3), LLVM target in scope), else None."""
+    """The conv's facts if it is a conv this lowering covers (NCHW / OIHW, one filter per channel,
+    narrow groups, or an RGB stem: ≤ ``MAX_STEM_CHANNELS`` input channels, stride ≤ 2 and a window
+    wider than the stride; dilation 1, static float32 shapes, stride 2 or an output width ≥
+    ``MIN_WIDTH`` (``MIN_WIDTH_3X3`` for 3×3 windows over one input channel), LLVM target in
+    scope), else None."""
     shapes = cpu_float32_nchw_conv(call)
     if shapes is None:
         return None
@@ -126,7 +131,13 @@ def eligible_conv(call: relax.Call) -> dict | None:
     dshape, wshape = shapes
     groups = int(attrs.groups)
     strides = [int(s) for s in attrs.strides]
-    if groups < 2 and (wshape[1] > MAX_STEM_CHANNELS or max(strides) > 2):
+    stem = (
+        wshape[1] <= MAX_STEM_CHANNELS
+        and max(strides) <= 2
+        and wshape[2] > strides[0]
+        and wshape[3] > strides[1]
+    )
+    if groups < 2 and not stem:
         return None
     if wshape[1] > MAX_GROUP_CHANNELS or wshape[0] % groups or dshape[1] != groups * wshape[1]:
         return None

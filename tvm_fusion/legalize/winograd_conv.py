@@ -3,7 +3,7 @@
 Why: ResNet-style nets spend most of their time in 3×3 convs, and the direct conv is near the
 GEMM roofline; Winograd needs (m+2)²/(9 m²) of the multiplies (F(2): 0.44, F(4): 0.25).
 
-The conv becomes four TE stages, each block annotated ``tvm_fusion.winograd = <stage>`` (the
+The conv becomes five or six TE stages, each block annotated ``tvm_fusion.winograd = <stage>`` (the
 ``Winograd`` schedule rule recognises them by that, see ``schedules/winograd.py``):
 
 * ``weight``: ``U[e, ν, c, k] = Σ G[e, i] g[k, c, i, j] G[ν, j]``, reading only the weight, so the
@@ -46,7 +46,7 @@ from tvm.topi.nn import winograd_util
 from .conv_args import cpu_float32_nchw_conv
 from .depthwise_conv import padded_width
 
-STAGE = "tvm_fusion.winograd"  # block annotation: weight / input / gemm / output
+STAGE = "tvm_fusion.winograd"  # block annotation: weight / pad / input_rows / input / gemm / output
 TILE = "tvm_fusion.winograd_tile"  # block annotation on every stage: m
 SIGNATURE = "tvm_fusion.conv_signature"  # block annotation on the gemm stage (tuning groups by it)
 DIRECT = "direct"
@@ -119,12 +119,12 @@ def winograd_conv2d_nchw(
     # layout, P[b, c, y, r, q] = d_pad[b, c, y, q·m + r]: column tx·m + j of a tile row is then
     # P[.., j mod m, tx + j / m], so the transform below reads whole vectors along the tiles
     # of a row where the plain layout would need a gather (stride m) per window element
-    # The input transform runs over whole vectors of tile columns when a row has more than half a
-    # vector of tiles (14 tiles: one 16-lane vector, not 8 + 4 + 2 lanes per load and store; 64ch
-    # 56x56 F(4) 0.51 -> 0.45 ms); the GEMM reads only the real ones. Fewer tiles stay as they are
-    # (7 -> 8 was 6 % slower at 128->32 14x14 F(2)). The phase length is a multiple of 4, so the
-    # pad stage vectorizes (17 would not be).
-    nw_v = padded_width(nw, lanes) if nw > lanes // 2 else nw
+    # The input transform runs over tile columns rounded up to whole 256-bit vectors when a row
+    # has more than 8 tiles (14 tiles: one 16-lane vector, not 8 + 4 + 2 lanes per load and
+    # store; 64ch 56x56 F(4) 0.51 -> 0.45 ms); the GEMM reads only the real ones. Fewer tiles stay
+    # as they are (7 -> 8 was 6 % slower at 128->32 14x14 F(2), AVX-512). The phase length is a
+    # multiple of 4, so the pad stage vectorizes (17 would not).
+    nw_v = padded_width(nw, lanes) if nw > 8 else nw
     rows, phase_len = nh * m + 2, -(-(nw_v + (alpha - 1) // m) // 4) * 4
 
     def polyphase(b, c, y, r, q):

@@ -215,6 +215,8 @@ class Winograd(CpuRule):
         lanes = vector_lanes(target, "float32")
         tx_x = int_extent(sch, tx_l)
         cands = [d for d in divisors_upto(tx_x, lanes) if d >= 2]
+        # whole 256/512-bit vectors first (24 tiles: 3 x 8 lanes, not 2 x 12 = 8 + 4)
+        cands.sort(key=lambda d: (d % 8 == 0, d))
         at = par
         if cands:
             tx_o, tx_i = sch.split(tx_l, factors=[None, cands[-1]])
@@ -224,10 +226,14 @@ class Winograd(CpuRule):
         if rows_blk is None:
             return
         sch.compute_at(rows_blk, at)
-        i_l, n_l, r_tx = sch.get_loops(rows_blk)[-3:]
+        # the row pass's loops under the task: i, nu and, unless the row is one tile, tx
+        outer = [sch.get(lp) for lp in sch.get_loops(blk)]
+        depth = next(i for i, lp in enumerate(outer) if lp.same_as(sch.get(at))) + 1
+        i_l, n_l, *r_tx = sch.get_loops(rows_blk)[depth:]
         sch.unroll(i_l)
         sch.unroll(n_l)
-        try_primitive(sch.vectorize, r_tx)
+        for loop in r_tx:
+            try_primitive(sch.vectorize, loop)
 
 
 def _blocks_per_task(alpha, channels_out, rows, tile_cols, vt, rt, target) -> list[int]:
