@@ -14,7 +14,8 @@ import tvm_fusion
 from tvm_fusion import models
 from tvm_fusion.frontend import import_onnx
 from tvm_fusion.ir import tir_stmts
-from tvm_fusion.legalize.depthwise_conv import STAGE, padded_width
+from tvm_fusion.legalize.conv_args import padded_width
+from tvm_fusion.legalize.depthwise_conv import STAGE
 from tvm_fusion.pipeline import pipeline_passes, run_passes, unscheduled_module
 from tvm_fusion.schedules import Depthwise
 from tvm_fusion.schedules._util import access_class

@@ -1,4 +1,5 @@
-"""What our conv2d legalizations all check first: the call's static shapes and its target."""
+"""What our conv2d legalizations share: the call's static shapes and target they all check first,
+and the rounding of a vectorized extent up to whole vectors."""
 
 from __future__ import annotations
 
@@ -39,3 +40,12 @@ def cpu_float32_nchw_conv(call: relax.Call) -> tuple[list[int], list[int]] | Non
         return None
     dtypes = {str(call.args[0].ty.dtype), str(call.args[1].ty.dtype), out_dtype(attrs) or "float32"}
     return shapes if dtypes == {"float32"} else None
+
+
+def padded_width(width: int, lanes: int) -> int:
+    """``width`` (a depthwise conv's output width, a Winograd row's tile count) when it is a whole
+    number of vectors of ``lanes`` or of 8 lanes (a 256-bit vector), else rounded up to a multiple
+    of 8 (or ``lanes`` when the SIMD width is smaller); the extra columns read zeros and are
+    cropped or never read."""
+    step = min(lanes, 8)  # divides lanes: a whole number of lanes-vectors is one of steps too
+    return -(-width // step) * step

@@ -33,7 +33,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax, te, tirx
 
-from .conv_args import cpu_float32_nchw_conv
+from .conv_args import cpu_float32_nchw_conv, padded_width
 
 STAGE = "tvm_fusion.depthwise"  # block annotation: pad / phase / conv / crop
 GROUP_OUT = "tvm_fusion.group_channels"  # on the conv block: output channels per group
@@ -52,14 +52,6 @@ MAX_GROUP_CHANNELS = 16
 # stride (a network's stem on RGB) is one group; patchifying stems (ViT's 16x16/16, ConvNeXt's
 # 4x4/4) and 1x1 convs are GEMMs, not these
 MAX_STEM_CHANNELS = 4
-
-
-def padded_width(width: int, lanes: int) -> int:
-    """The output width the conv computes: ``width`` when it is a whole number of vectors of
-    ``lanes`` or of 8 lanes (a 256-bit vector), else rounded up to a multiple of 8 (or ``lanes``
-    when the SIMD width is smaller); the extra columns read zeros and are cropped."""
-    step = min(lanes, 8)  # divides lanes: a whole number of lanes-vectors is one of steps too
-    return -(-width // step) * step
 
 
 def depthwise_conv2d_nchw(data, weight, strides, padding, width: int, dtype: str):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -43,8 +44,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.topi.nn import winograd_util
 
-from .conv_args import cpu_float32_nchw_conv
-from .depthwise_conv import padded_width
+from .conv_args import cpu_float32_nchw_conv, padded_width
 
 STAGE = "tvm_fusion.winograd"  # block annotation: weight / pad / input_rows / input / gemm / output
 TILE = "tvm_fusion.winograd_tile"  # block annotation on every stage: m
@@ -99,6 +99,12 @@ def _select(index_vars, cases: dict, dtype):
     return expr
 
 
+def _selected_sums(index_vars, keys, terms, dtype):
+    """``Σ terms(*key)`` for the key the index expressions equal: every transform stage is one
+    weighted sum per case (matrix entry), chosen by :func:`_select`."""
+    return _select(index_vars, {key: _weighted_sum(terms(*key), dtype) for key in keys}, dtype)
+
+
 def winograd_conv2d_nchw(
     data, weight, padding, m: int, out_dtype: str | None = None, signature: str = "", lanes: int = 1
 ):
@@ -136,17 +142,17 @@ def winograd_conv2d_nchw(
         (n_, c_, rows, m, phase_len), polyphase, name="winograd_pad", attrs={STAGE: "pad", **ann}
     )
 
+    points = list(itertools.product(range(alpha), repeat=2))
+
     def weight_transform(e, nu, c, k):
-        cases = {}
-        for ei in range(alpha):
-            for ni in range(alpha):
-                terms = [
-                    (g_mat[ei, i] * g_mat[ni, j], weight[k, c, i, j].astype("float64"))
-                    for i in range(3)
-                    for j in range(3)
-                ]
-                cases[(ei, ni)] = _weighted_sum(terms, "float64")
-        return _select((e, nu), cases, "float64").astype(dtype)
+        def terms(ei, ni):
+            return [
+                (g_mat[ei, i] * g_mat[ni, j], weight[k, c, i, j].astype("float64"))
+                for i in range(3)
+                for j in range(3)
+            ]
+
+        return _selected_sums((e, nu), points, terms, "float64").astype(dtype)
 
     u = te.compute(
         (alpha, alpha, c_, k_), weight_transform, name="winograd_weight", attrs={STAGE: "weight", **ann}
@@ -163,14 +169,10 @@ def winograd_conv2d_nchw(
     if separable_input_transform(m):
 
         def input_rows(i, nu, c, b, ty, tx):
-            cases = {
-                (ii, ni): _weighted_sum(
-                    [(b_mat[j, ni], window(b, c, ty, tx, ii, j)) for j in range(alpha)], dtype
-                )
-                for ii in range(alpha)
-                for ni in range(alpha)
-            }
-            return _select((i, nu), cases, dtype)
+            def terms(ii, ni):
+                return [(b_mat[j, ni], window(b, c, ty, tx, ii, j)) for j in range(alpha)]
+
+            return _selected_sums((i, nu), points, terms, dtype)
 
         rows_v = te.compute(
             (alpha, alpha, c_, n_, nh, nw_v),
@@ -180,30 +182,22 @@ def winograd_conv2d_nchw(
         )
 
         def input_transform(e, nu, c, b, ty, tx):
-            cases = {
-                (ei,): _weighted_sum(
-                    [(b_mat[i, ei], rows_v[i, nu, c, b, ty, tx]) for i in range(alpha)], dtype
-                )
-                for ei in range(alpha)
-            }
-            return _select((e,), cases, dtype)
+            def terms(ei):
+                return [(b_mat[i, ei], rows_v[i, nu, c, b, ty, tx]) for i in range(alpha)]
+
+            return _selected_sums((e,), [(ei,) for ei in range(alpha)], terms, dtype)
 
     else:
 
         def input_transform(e, nu, c, b, ty, tx):
-            cases = {
-                (ei, ni): _weighted_sum(
-                    [
-                        (b_mat[i, ei] * b_mat[j, ni], window(b, c, ty, tx, i, j))
-                        for i in range(alpha)
-                        for j in range(alpha)
-                    ],
-                    dtype,
-                )
-                for ei in range(alpha)
-                for ni in range(alpha)
-            }
-            return _select((e, nu), cases, dtype)
+            def terms(ei, ni):
+                return [
+                    (b_mat[i, ei] * b_mat[j, ni], window(b, c, ty, tx, i, j))
+                    for i in range(alpha)
+                    for j in range(alpha)
+                ]
+
+            return _selected_sums((e, nu), points, terms, dtype)
 
     v = te.compute(
         (alpha, alpha, c_, n_, nh, nw_v),
@@ -220,16 +214,14 @@ def winograd_conv2d_nchw(
     )
 
     def output_transform(b, k, h, w):
-        cases = {}
-        for i in range(m):
-            for j in range(m):
-                terms = [
-                    (a_mat[e, i] * a_mat[nu, j], mm[e, nu, k, b, h // m, w // m])
-                    for e in range(alpha)
-                    for nu in range(alpha)
-                ]
-                cases[(i, j)] = _weighted_sum(terms, dtype)
-        return _select((h % m, w % m), cases, dtype)
+        def terms(i, j):
+            return [
+                (a_mat[e, i] * a_mat[nu, j], mm[e, nu, k, b, h // m, w // m])
+                for e in range(alpha)
+                for nu in range(alpha)
+            ]
+
+        return _selected_sums((h % m, w % m), itertools.product(range(m), repeat=2), terms, dtype)
 
     return te.compute(
         (n_, k_, oh, ow), output_transform, name="winograd_output", attrs={STAGE: "output", **ann}
