@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import tvm_ffi
-from conftest import max_abs_err, ort_run
+from conftest import max_abs_err, ort_run, run_executable
 
 from tvm_fusion import TvmFusionError, build, import_onnx, load, models
 from tvm_fusion.shape_cache import add_shape_buckets, parse_bucket, symbolic_dims
@@ -94,6 +94,7 @@ def test_bucket_kernels_are_the_static_builds_and_the_generic_ones_are_packed():
     they used to fall back to plain loops (ResNet-18 at batch 4: ~4.5 s instead of ~0.27 s)."""
     import onnx
     import tvm
+    from test_depthwise import _stages as depthwise_stages
 
     model = dyn_convnet()
     bucketed = build(model, "llvm", tuning_logs=None, shape_buckets=[{"batch": 2}]).lowered
@@ -107,10 +108,44 @@ def test_bucket_kernels_are_the_static_builds_and_the_generic_ones_are_packed():
         assert tvm_ffi.structural_equal(bucketed[ours], static[theirs]), (ours, theirs)
     assert not [n for n in _callees(bucketed, "main") if "batch_norm" in n]  # folded with a symbolic batch
     generic = [n for n in _callees(bucketed, "main") if "conv2d" in n]
-    assert generic and all(n.endswith("_prepacked") for n in generic), generic
+    # the RGB stem takes the depthwise form (weights broadcast, not packed); the other conv is packed
+    stems = [n for n in generic if "conv" in depthwise_stages(bucketed[n])]
+    assert len(stems) == 1 and all(n.endswith("_prepacked") for n in generic if n not in stems), generic
     for name in generic:
         kinds = {loop.kind for loop in _loops(bucketed[name].body)}
         assert tvm.tirx.ForKind.PARALLEL in kinds and tvm.tirx.ForKind.VECTORIZED in kinds, name
+
+
+def dyn_conv_forms():
+    """A dynamic batch through each of our CPU conv lowerings: RGB stem and depthwise (stride 2,
+    then stride 1 at width 16), Winograd (F(2): 64 tiles of 2x2), strided 1x1."""
+    g = models.GraphBuilder("dyn_conv_forms")
+    x = g.input("input", ("batch", 3, 64, 64))
+    h = g.conv_bn(x, 3, 16, stride=2)
+    h = g.conv_bn(h, 16, 16, stride=2, groups=16)
+    h = g.conv_bn(h, 16, 16, groups=16)
+    h = g.conv_bn(h, 16, 32)
+    h = g.conv_bn(h, 32, 64, k=1, stride=2)
+    return g.finish([g.op("Flatten", [g.op("GlobalAveragePool", [h])], axis=1)])
+
+
+def test_generic_entry_keeps_winograd_and_depthwise_forms():
+    """With a symbolic batch, 3x3 convs still become Winograd kernels and stems / depthwise convs
+    the depthwise form (the batch an outer loop), as in a static build: ResNet-18's generic entry
+    ran 1.7x its bucket when only direct convs took a symbolic batch."""
+    from test_depthwise import _stages as depthwise_stages
+    from test_winograd import _stages as winograd_stages
+
+    model = dyn_conv_forms()
+    result = build(model, "llvm", tuning_logs=None)
+    convs = {n: result.lowered[n] for n in _callees(result.lowered, "main") if "conv2d" in n}
+    assert any("gemm" in winograd_stages(f) for f in convs.values()), list(convs)
+    assert sum("conv" in depthwise_stages(f) for f in convs.values()) == 3, list(convs)
+    assert symbolic_dims(result.lowered, "main") == ["batch"]
+    for batch in (1, 3):
+        x = _inputs(model, batch=batch)
+        got = run_executable(result.executable, {"input": x})
+        assert max_abs_err(got, ort_run(model, {"input": x})) < 1e-4, batch
 
 
 def _loops(stmt):

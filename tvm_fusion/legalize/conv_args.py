@@ -4,16 +4,20 @@ and the rounding of a vectorized extent up to whole vectors."""
 from __future__ import annotations
 
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 
 
-def static_shapes(call: relax.Call) -> tuple[list[int], list[int]] | None:
-    """``(data shape, weight shape)`` of a conv2d call when both are static, else None."""
+def static_shapes(call: relax.Call, symbolic_batch: bool = False) -> tuple[list, list[int]] | None:
+    """``(data shape, weight shape)`` of a conv2d call when both are static, else None. With
+    ``symbolic_batch`` the data's first dim may be symbolic: it is then returned as its PrimExpr
+    (a model exported with a dynamic batch keeps every other dim static)."""
     dty, wty = call.args[0].ty, call.args[1].ty
     if not all(isinstance(t, relax.TensorType) and t.shape is not None for t in (dty, wty)):
         return None
+    dims = list(dty.shape)
+    batch = dims[:1] if symbolic_batch and dims and not isinstance(dims[0], tirx.IntImm) else []
     try:
-        return [int(x) for x in dty.shape], [int(x) for x in wty.shape]
+        return batch + [int(x) for x in dims[len(batch) :]], [int(x) for x in wty.shape]
     except (TypeError, ValueError):  # symbolic dims
         return None
 
@@ -26,7 +30,8 @@ def out_dtype(attrs) -> str | None:
 
 def cpu_float32_nchw_conv(call: relax.Call) -> tuple[list[int], list[int]] | None:
     """``(data shape, weight shape)`` of a conv2d our CPU lowerings may take: an LLVM target in
-    scope, NCHW / OIHW / NCHW, dilation 1, static 4-D float32 shapes and result; else None."""
+    scope, NCHW / OIHW / NCHW, dilation 1, 4-D float32 shapes and result, static but for the
+    batch (a PrimExpr when symbolic: the lowerings keep it an outer loop); else None."""
     attrs = call.attrs
     target = tvm.target.Target.current(allow_none=True)
     if target is None or target.kind.name != "llvm":
@@ -35,7 +40,7 @@ def cpu_float32_nchw_conv(call: relax.Call) -> tuple[list[int], list[int]] | Non
         return None
     if any(int(d) != 1 for d in attrs.dilation):
         return None
-    shapes = static_shapes(call)
+    shapes = static_shapes(call, symbolic_batch=True)
     if shapes is None or len(shapes[0]) != 4 or len(shapes[1]) != 4:
         return None
     dtypes = {str(call.args[0].ty.dtype), str(call.args[1].ty.dtype), out_dtype(attrs) or "float32"}

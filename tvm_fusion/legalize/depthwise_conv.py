@@ -56,7 +56,8 @@ MAX_STEM_CHANNELS = 4
 
 def depthwise_conv2d_nchw(data, weight, strides, padding, width: int, dtype: str):
     """TE of the depthwise / grouped conv (see the module docstring); returns the NCHW output."""
-    n_, c_, h_, w_ = (int(x) for x in data.shape)
+    n_ = data.shape[0]  # symbolic in a generic entry (dynamic batch): an outer loop throughout
+    c_, h_, w_ = (int(x) for x in data.shape[1:])
     k_, cig, kh_, kw_ = (int(x) for x in weight.shape)
     cog = k_ // (c_ // cig)  # output channels per group
     sh, sw = (int(s) for s in strides)
@@ -113,9 +114,9 @@ def depthwise_conv2d_nchw(data, weight, strides, padding, width: int, dtype: str
 def eligible_conv(call: relax.Call) -> dict | None:
     """The conv's facts if it is a conv this lowering covers (NCHW / OIHW, one filter per channel,
     narrow groups, or an RGB stem: ≤ ``MAX_STEM_CHANNELS`` input channels, stride ≤ 2 and a window
-    wider than the stride; dilation 1, static float32 shapes, stride 2 or an output width ≥
-    ``MIN_WIDTH`` (``MIN_WIDTH_3X3`` for 3×3 windows over one input channel), LLVM target in
-    scope), else None."""
+    wider than the stride; dilation 1, float32 shapes static but for the batch, stride 2 or an
+    output width ≥ ``MIN_WIDTH`` (``MIN_WIDTH_3X3`` for 3×3 windows over one input channel), LLVM
+    target in scope), else None."""
     shapes = cpu_float32_nchw_conv(call)
     if shapes is None:
         return None

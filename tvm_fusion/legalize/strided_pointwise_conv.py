@@ -18,7 +18,8 @@ from .conv_args import cpu_float32_nchw_conv
 
 def strided_pointwise_conv2d_nchw(data, weight, strides, dtype: str):
     """TE of the subsample + stride-1 1×1 conv; returns the NCHW output."""
-    n_, c_, h_, w_ = (int(x) for x in data.shape)
+    n_ = data.shape[0]  # symbolic in a generic entry (dynamic batch)
+    c_, h_, w_ = (int(x) for x in data.shape[1:])
     k_ = int(weight.shape[0])
     sh, sw = (int(s) for s in strides)
     oh_, ow_ = (h_ - 1) // sh + 1, (w_ - 1) // sw + 1
@@ -37,7 +38,8 @@ def strided_pointwise_conv2d_nchw(data, weight, strides, dtype: str):
 
 def eligible_conv(call: relax.Call) -> list[int] | None:
     """The strides of a conv this lowering covers (1×1 window, no padding, one group, a stride
-    above 1, NCHW / OIHW, static float32 shapes, LLVM target in scope), else None."""
+    above 1, NCHW / OIHW, float32 shapes static but for the batch, LLVM target in scope), else
+    None."""
     shapes = cpu_float32_nchw_conv(call)
     if shapes is None:
         return None

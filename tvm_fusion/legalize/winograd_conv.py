@@ -110,7 +110,8 @@ def winograd_conv2d_nchw(
 ):
     """TE of the Winograd conv (see module docstring); returns the NCHW output tensor. ``lanes``:
     the SIMD width the input transform is vectorized with (it runs over whole vectors of tiles)."""
-    n_, c_, h_, w_ = (int(x) for x in data.shape)
+    n_ = data.shape[0]  # symbolic in a generic entry (dynamic batch): an outer loop throughout
+    c_, h_, w_ = (int(x) for x in data.shape[1:])
     k_, _, kh_, kw_ = (int(x) for x in weight.shape)
     assert kh_ == kw_ == 3
     dtype = out_dtype or data.dtype
@@ -234,7 +235,7 @@ def winograd_conv2d_nchw(
 def conv_signature(data_shape, weight_shape, padding, dtype) -> str:
     """The key of a conv in decision tables: shapes, padding and dtype (the weights' values and
     the fused epilogue do not change which algorithm is faster)."""
-    d = "x".join(str(int(x)) for x in data_shape)
+    d = "x".join(str(x) for x in data_shape)  # a symbolic batch by its name
     w = "x".join(str(int(x)) for x in weight_shape)
     p = ",".join(str(int(x)) for x in padding)
     return f"conv2d_nchw/{d}/{w}/pad{p}/{dtype}"
@@ -305,7 +306,8 @@ def default_algorithm(channels_in: int, channels_out: int, tiles: dict, lanes: i
 
 def eligible_conv(call: relax.Call) -> dict | None:
     """The conv's shapes if Winograd can compute it (3×3, stride 1, dilation 1, groups 1, NCHW /
-    OIHW, static float32 shapes, LLVM target in scope), else None."""
+    OIHW, float32 shapes static but for the batch, LLVM target in scope), else None. A symbolic
+    batch counts as one image in the tile counts the cost rule decides by."""
     shapes = cpu_float32_nchw_conv(call)
     attrs = call.attrs
     if shapes is None or int(attrs.groups) != 1 or any(int(s) != 1 for s in attrs.strides):
@@ -319,13 +321,14 @@ def eligible_conv(call: relax.Call) -> dict | None:
         return None
     from ..schedules._util import vector_lanes  # pylint: disable=import-outside-toplevel
 
+    images = dshape[0] if isinstance(dshape[0], int) else 1
     return {
         "data_shape": dshape,
         "weight_shape": wshape,
         "padding": padding,
         "channels_in": dshape[1],
         "channels_out": wshape[0],
-        "tiles": {m: dshape[0] * math.ceil(oh / m) * math.ceil(ow / m) for m in FORMS.values()},
+        "tiles": {m: images * math.ceil(oh / m) * math.ceil(ow / m) for m in FORMS.values()},
         "lanes": vector_lanes(tvm.target.Target.current(), "float32"),
     }
 

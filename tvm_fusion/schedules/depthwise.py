@@ -98,7 +98,7 @@ class Depthwise(CpuRule):
             return None
         loops = sch.get_loops(conv)
         extents = [int_extent(sch, lp) for lp in loops]
-        if len(loops) != 7 or None in extents:
+        if len(loops) != 7 or None in extents[1:]:  # the batch may be symbolic (an outer loop)
             return None
         group_out = int(sch.get(conv).annotations.get(GROUP_OUT, 1))
         knobs = self.last_knobs = Knobs(self.knobs, tunable)

@@ -107,9 +107,10 @@ class Winograd(CpuRule):
         m = int(sch.get(stages["gemm"]).annotations[TILE])
         gemm = stages["gemm"]
         extents = [int_extent(sch, lp) for lp in sch.get_loops(gemm)]
-        if any(x is None for x in extents):
+        if None in extents[:3] + extents[4:]:  # only the batch (loop 3) may be symbolic
             return None
         alpha, _, k_ext, b_ext, ty_ext, tx_ext, _ = extents
+        b_ext = b_ext or 1  # a symbolic batch (generic entry): planned as one image, an outer loop
         plans = micro_kernel_plans(k_ext, tx_ext, b_ext * ty_ext, target)
         vt, rt, cost = plans[knobs.choose(sch, "plan", min(len(plans), MAX_PLAN_CHOICES))]
         # tile blocks per task: the transformed-weight slice of one transform point (C x vt)
