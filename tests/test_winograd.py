@@ -241,7 +241,7 @@ def test_rule_space_of_a_winograd_kernel_contains_the_default():
 
 
 def test_tuning_chooses_the_fastest_algorithm_per_conv():
-    from tvm_fusion.tuning.conv_algorithms import alternative_modules, choose_algorithms
+    from tvm_fusion.tuning.conv_algorithms import alternative_modules, choose_algorithms, unchosen_kernels
     from tvm_fusion.tuning.search import TaskSummary
     from tvm_fusion.tuning.tasks import extract_tasks
 
@@ -253,7 +253,12 @@ def test_tuning_chooses_the_fastest_algorithm_per_conv():
     times = [30.0, 20.0, 25.0]  # direct, F(2), F(4)
     summaries = [TaskSummary(t.task_name, "k", 1, 1, 1, us) for t, us in zip(tasks, times)]
     signature = conv_signature((1, 32, 14, 14), (64, 32, 3, 3), (1, 1, 1, 1), "float32")
-    assert choose_algorithms(tasks, summaries) == {signature: "winograd2"}
+    choice = choose_algorithms(tasks, summaries)
+    assert choice == {signature: "winograd2"}
+    # what the tuning summary counts as built: only the chosen algorithm's kernel; without a
+    # choice, the untuned build's (here: the first task)
+    assert unchosen_kernels(tasks, choice, default_tasks=1) == [True, False, True]
+    assert unchosen_kernels(tasks, {}, default_tasks=1) == [False, True, True]
     # a model without an eligible conv has no alternatives
     assert alternative_modules(import_onnx(models.example("mlp_bn")).mod, ZNVER3) == []
 

@@ -79,6 +79,25 @@ def choose_algorithms(tasks: list, summaries: list) -> dict[str, str]:
     return dict(sorted(choice.items()))
 
 
+def unchosen_kernels(tasks: list, choice: dict[str, str], default_tasks: int) -> list[bool]:
+    """Per task, whether its kernel belongs to a conv algorithm the build will not use: a variant
+    (matched by fused function name, as in :func:`choose_algorithms`) of a conv whose chosen
+    algorithm is another. A conv without a choice keeps the cost rule's algorithm, whose kernels
+    are the first ``default_tasks`` tasks (those of the model as the build fuses it untuned)."""
+    found = [algorithm_of(task.dispatched[0]["main"]) for task in tasks]
+    signature_of = {task.task_name: sig for task, (_, sig) in zip(tasks, found) if sig}
+    unchosen = []
+    for i, (task, (algorithm, _)) in enumerate(zip(tasks, found)):
+        signature = signature_of.get(task.task_name)
+        if signature is None:
+            unchosen.append(False)
+        elif signature in choice:
+            unchosen.append(algorithm != choice[signature])
+        else:
+            unchosen.append(i >= default_tasks)
+    return unchosen
+
+
 def _effective_us(summary) -> float | None:
     if summary.default_us is None:
         return summary.best_us

@@ -25,7 +25,7 @@ from ..frontend import as_imported
 from ..pipeline import unscheduled_module
 from ..shape_cache import symbolic_dims
 from ..targets import parse_target
-from .conv_algorithms import alternative_modules, choose_algorithms
+from .conv_algorithms import alternative_modules, choose_algorithms, unchosen_kernels
 from .environment import check_environment, load_tensor_intrinsics
 from .fleet import parse_rpc
 from .in_model import check_in_model
@@ -83,6 +83,10 @@ class TuneResult:
             count = f"{t.trials}" if self.time_budget_s is not None else f"{t.trials}/{t.budget}"
             line = f"  {t.name}: {count} trials ({state}), best {best}"
             verdict = "tuned schedule used" if t.applied else "default schedule kept"
+            if t.unchosen_algorithm:
+                verdict = (
+                    f"{'won' if t.applied else 'lost'}, but its conv algorithm was not chosen: not built"
+                )
             if t.in_model is not None:
                 line += (
                     f"; in the model: tuned {t.in_model['tuned_us']:.2f} us vs default "
@@ -92,10 +96,14 @@ class TuneResult:
                 tuned = "n/a" if t.tuned_us is None else f"{t.tuned_us:.2f} us"
                 line += f"; side by side: tuned {tuned} vs default {t.default_us:.2f} us -> {verdict}"
             lines.append(line)
-        used = sum(1 for t in self.tasks if t.applied)
+        built = [t for t in self.tasks if not t.unchosen_algorithm]
+        used = sum(1 for t in built if t.applied)
+        unchosen = len(self.tasks) - len(built)
         lines.append(
             f"{self.new_trials} new trials ({self.total_trials} in all) in {self.elapsed_s:.1f} s; "
-            f"{used}/{len(self.tasks)} functions will use tuned schedules; records in {self.record_dir}"
+            f"{used}/{len(built)} functions will use tuned schedules"
+            + (f" (and {unchosen} kernels of conv algorithms not chosen were tuned)" if unchosen else "")
+            + f"; records in {self.record_dir}"
         )
         if self.ended_early:
             lines.append(
@@ -254,6 +262,7 @@ def tune(
         for msg in messages:
             say(msg)
         tasks = extract_tasks(mod, target)
+        default_tasks = len(tasks)  # the kernels of the untuned build; alternatives' come after
         if alternatives:
             seen = {workload_key(t.dispatched[0]) for t in tasks}
             for alt in alternatives:
@@ -338,7 +347,9 @@ def tune(
                             say=say if progress else None,
                         )
             if alternatives:
-                rset.manifest["conv_algorithms"] = choose_algorithms(tasks, summaries)
+                choice = rset.manifest["conv_algorithms"] = choose_algorithms(tasks, summaries)
+                for summary, unchosen in zip(summaries, unchosen_kernels(tasks, choice, default_tasks)):
+                    summary.unchosen_algorithm = unchosen
                 with stop.saving():
                     rset.save()
         except KeyboardInterrupt:

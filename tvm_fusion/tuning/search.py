@@ -51,6 +51,7 @@ class TaskSummary:
     search_error: str | None = None  # this run's search failed (the default schedule is kept)
     out_of_time: bool = False  # not searched this run: the time budget was spent before its turn
     in_model: dict | None = None  # its records and the default timed inside the model (in_model.py)
+    unchosen_algorithm: bool = False  # a kernel of a conv algorithm tuning did not choose: not built
 
     @property
     def new_trials(self) -> int:
