@@ -139,14 +139,12 @@ class Winograd(CpuRule):
             ("read", u_buf_index),
             tirx.IndexMap.from_func(lambda e, nu, c, k: [e, nu, k // vt, c, k % vt], ndim=4),
         )
-        # V [b, e, nu, ty, c, tx]: a tile row's channels one after the other, so the micro-kernel's
-        # broadcasts (rt tiles of one channel, then the next channel) stream through memory; the
-        # image outermost, so that a symbolic batch (generic entry) is in no stride of the GEMM's
-        # reads (ResNet-18's generic entry 11.89 -> 11.73 ms at batch 1; one image: same memory)
+        # V [e, nu, b, ty, c, tx]: a tile row's channels one after the other, so the micro-kernel's
+        # broadcasts (rt tiles of one channel, then the next channel) stream through memory
         sch.transform_layout(
             gemm,
             ("read", 1 - u_buf_index),
-            tirx.IndexMap.from_func(lambda e, nu, c, b, ty, tx: [b, e, nu, ty, c, tx], ndim=6),
+            tirx.IndexMap.from_func(lambda e, nu, c, b, ty, tx: [e, nu, b, ty, c, tx], ndim=6),
         )
         if self.prepack and weight_param in _layout_free_params(func):
             sch.annotate(weight_blk, LAYOUT_REWRITE_PREPROC, True)
@@ -206,7 +204,7 @@ class Winograd(CpuRule):
         """(e, nu, c, b, ty, tx) -> parallel(b, ty, c) / tx vector / e, nu unrolled; a row pass
         (d B, F(4)) computed per task and vector of tiles, into a small buffer that stays in L1.
         Channels innermost in the task order: consecutive tasks write adjacent rows of V
-        ([b, e, nu, ty, c, tx]); channel-major, each task's α² stores were C·tiles apart, a
+        ([e, nu, b, ty, c, tx]); channel-major, each task's α² stores were C·tiles apart, a
         multiple of 4 KiB once the tiles are whole vectors, all in one L1 set (128->32 14x14
         F(2) with 8 tiles: 0.088 vs 0.068 ms)."""
         e_l, nu_l, c_l, b_l, ty_l, tx_l = sch.get_loops(blk)
