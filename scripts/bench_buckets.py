@@ -2,9 +2,10 @@
 next to static builds of the same batch sizes, in one process.
 
 Builds the bundled ResNet-18 with ``batch`` symbolic and buckets for batch 1 and 4, and two static
-builds (batch 1, batch 4), all untuned. Each entry's output is checked against the static build's,
-then every (entry, batch) pair is timed interleaved (``--rounds`` rounds of ``--runs`` runs) and a
-markdown table of the minimum and median ms is printed (docs/performance.md quotes it).
+builds (batch 1, batch 4), all untuned. Each entry's output is compared with the static build's
+(the relative error is printed), then every (entry, batch) pair is timed interleaved (``--rounds``
+rounds of ``--runs`` runs) and a markdown table of the minimum and median ms is printed
+(docs/performance.md quotes it).
 Usage: python scripts/bench_buckets.py [--rounds N] [--runs N] [--size 224]
 """
 

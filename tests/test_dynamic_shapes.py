@@ -90,8 +90,9 @@ def _callees(mod, entry):
 
 def test_bucket_kernels_are_the_static_builds_and_the_generic_ones_are_packed():
     """A bucket entry calls the very PrimFuncs a static build of that shape has; the generic entry's
-    convs get the packed-weight micro-kernel too (symbolic batch as an outer parallel loop), where
-    they used to fall back to plain loops (ResNet-18 at batch 4: ~4.5 s instead of ~0.27 s)."""
+    convs get our kernels too (symbolic batch as an outer parallel loop): the packed-weight
+    micro-kernel, or for the RGB stem the depthwise form, where they used to fall back to plain
+    loops (ResNet-18 at batch 4: ~4.5 s instead of ~0.27 s)."""
     import onnx
     import tvm
     from test_depthwise import _stages as depthwise_stages
@@ -110,7 +111,8 @@ def test_bucket_kernels_are_the_static_builds_and_the_generic_ones_are_packed():
     generic = [n for n in _callees(bucketed, "main") if "conv2d" in n]
     # the RGB stem takes the depthwise form (weights broadcast, not packed); the other conv is packed
     stems = [n for n in generic if "conv" in depthwise_stages(bucketed[n])]
-    assert len(stems) == 1 and all(n.endswith("_prepacked") for n in generic if n not in stems), generic
+    assert len(generic) == 2 and len(stems) == 1, generic
+    assert all(n.endswith("_prepacked") for n in generic if n not in stems), generic
     for name in generic:
         kinds = {loop.kind for loop in _loops(bucketed[name].body)}
         assert tvm.tirx.ForKind.PARALLEL in kinds and tvm.tirx.ForKind.VECTORIZED in kinds, name
@@ -138,21 +140,28 @@ def test_generic_entry_keeps_winograd_and_depthwise_forms():
     symbolic batch, and its max pool 4.4x (0.41 vs 0.09 ms) before the window rule did."""
     from test_depthwise import _stages as depthwise_stages
     from test_winograd import _stages as winograd_stages
+    from tvm import tirx
 
     from tvm_fusion.pipeline import unscheduled_module
-    from tvm_fusion.schedules import WindowReduction
+    from tvm_fusion.schedules import Depthwise, WindowReduction, Winograd
     from tvm_fusion.targets import parse_target
 
     model = dyn_conv_forms()
     target = parse_target("llvm")
     fused = unscheduled_module(import_onnx(model).mod, target)
-    pools = [f for gv, f in fused.functions_items() if "max_pool" in gv.name_hint]
-    with target:
-        assert pools and all(WindowReduction().apply(f, target, False) is not None for f in pools)
+    kernels = {gv.name_hint: f for gv, f in fused.functions_items() if isinstance(f, tirx.PrimFunc)}
+    with target:  # each rule schedules its kernels (a declining rule would leave them to a fallback)
+        taken = {
+            rule: sorted(n for n, f in kernels.items() if rule().apply(f, target, False) is not None)
+            for rule in (WindowReduction, Winograd, Depthwise)
+        }
+    assert len(taken[WindowReduction]) == 1 and "max_pool" in taken[WindowReduction][0], taken
+    assert len(taken[Winograd]) == 1 and len(taken[Depthwise]) == 3, taken
     result = build(model, "llvm", tuning_logs=None)
     convs = {n: result.lowered[n] for n in _callees(result.lowered, "main") if "conv2d" in n}
     assert any("gemm" in winograd_stages(f) for f in convs.values()), list(convs)
     assert sum("conv" in depthwise_stages(f) for f in convs.values()) == 3, list(convs)
+    assert any("pointwise_subsample" in f.script() for f in convs.values()), list(convs)
     assert symbolic_dims(result.lowered, "main") == ["batch"]
     for batch in (1, 3):
         x = _inputs(model, batch=batch)

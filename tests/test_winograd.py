@@ -292,3 +292,27 @@ def test_tuning_measures_winograd_kernels_and_the_build_uses_the_choice(tmp_path
     feeds = _feeds(model)
     (got,) = run_executable(built.executable, feeds)
     np.testing.assert_allclose(got, ort_run(model, feeds)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_tuning_summary_counts_only_built_kernels():
+    """A kernel of a conv algorithm tuning did not choose is not in the build: the summary says so
+    on its line and leaves it out of "functions will use tuned schedules" (resnet_block_net's
+    summary said 3/16 where the build used 0 of 8)."""
+    from pathlib import Path
+
+    from tvm_fusion.tuning.driver import TuneResult
+    from tvm_fusion.tuning.search import TaskSummary
+
+    def task(name, unchosen, tuned_us=80.0):
+        summary = TaskSummary(name, "k", 1, 0, 1, tuned_us, default_us=100.0, tuned_us=tuned_us)
+        summary.unchosen_algorithm = unchosen
+        return summary
+
+    result = TuneResult(
+        Path("logs"), [task("direct", False, 99.0), task("f4", True), task("pool", False)], 1.0
+    )
+    lines = result.summary().splitlines()
+    assert "default schedule kept" in lines[0]
+    assert "tuned won; not built (its conv algorithm was not chosen)" in lines[1]
+    assert "tuned schedule used" in lines[2]
+    assert "1/2 functions will use tuned schedules (not counted: 1 of conv algorithms not chosen" in lines[3]

@@ -28,7 +28,7 @@ def out_dtype(attrs) -> str | None:
     return None if text in ("", "void", "None") else text
 
 
-def cpu_float32_nchw_conv(call: relax.Call) -> tuple[list[int], list[int]] | None:
+def cpu_float32_nchw_conv(call: relax.Call) -> tuple[list, list[int]] | None:
     """``(data shape, weight shape)`` of a conv2d our CPU lowerings may take: an LLVM target in
     scope, NCHW / OIHW / NCHW, dilation 1, 4-D float32 shapes and result, static but for the
     batch (a PrimExpr when symbolic: the lowerings keep it an outer loop); else None."""

@@ -234,8 +234,8 @@ def winograd_conv2d_nchw(
 
 def conv_signature(data_shape, weight_shape, padding, dtype) -> str:
     """The key of a conv in decision tables: shapes, padding and dtype (the weights' values and
-    the fused epilogue do not change which algorithm is faster)."""
-    d = "x".join(str(x) for x in data_shape)  # a symbolic batch by its name
+    the fused epilogue do not change which algorithm is faster); a symbolic batch by its name."""
+    d = "x".join(str(int(x)) if isinstance(x, (int, tirx.IntImm)) else str(x) for x in data_shape)
     w = "x".join(str(int(x)) for x in weight_shape)
     p = ",".join(str(int(x)) for x in padding)
     return f"conv2d_nchw/{d}/{w}/pad{p}/{dtype}"

@@ -59,7 +59,7 @@ def _is_window(sch, info, func) -> bool:
     n_spatial = kinds.count("S")
     if kinds != "S" * n_spatial + "R" * (len(kinds) - n_spatial) or n_spatial < 2 or n_spatial == len(kinds):
         return False
-    if any(not isinstance(d, int) for d in info.dom()[n_spatial:]):  # a symbolic batch is fine
+    if any(not isinstance(d, int) for d in info.dom()[1:]):  # a symbolic batch is an outer loop
         return False
     if not 2 <= math.prod(info.dom()[n_spatial:]) <= MAX_WINDOW:
         return False

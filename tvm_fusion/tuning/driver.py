@@ -85,7 +85,7 @@ class TuneResult:
             verdict = "tuned schedule used" if t.applied else "default schedule kept"
             if t.unchosen_algorithm:
                 verdict = (
-                    f"{'won' if t.applied else 'lost'}, but its conv algorithm was not chosen: not built"
+                    f"tuned {'won' if t.applied else 'lost'}; not built (its conv algorithm was not chosen)"
                 )
             if t.in_model is not None:
                 line += (
@@ -95,6 +95,8 @@ class TuneResult:
             elif t.default_us is not None:
                 tuned = "n/a" if t.tuned_us is None else f"{t.tuned_us:.2f} us"
                 line += f"; side by side: tuned {tuned} vs default {t.default_us:.2f} us -> {verdict}"
+            if t.unchosen_algorithm and t.in_model is None and t.default_us is None:
+                line += "; not built (its conv algorithm was not chosen)"
             lines.append(line)
         built = [t for t in self.tasks if not t.unchosen_algorithm]
         used = sum(1 for t in built if t.applied)
@@ -102,7 +104,7 @@ class TuneResult:
         lines.append(
             f"{self.new_trials} new trials ({self.total_trials} in all) in {self.elapsed_s:.1f} s; "
             f"{used}/{len(built)} functions will use tuned schedules"
-            + (f" (and {unchosen} kernels of conv algorithms not chosen were tuned)" if unchosen else "")
+            + (f" (not counted: {unchosen} of conv algorithms not chosen, not built)" if unchosen else "")
             + f"; records in {self.record_dir}"
         )
         if self.ended_early:
