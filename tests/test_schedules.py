@@ -1128,3 +1128,20 @@ def test_blocked_pointwise_conv_splits_evenly_over_the_cores():
     loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("conv2d_nchw_update"))]
     (tasks,) = [int(lp.extent) for lp in loops if lp.kind == tirx.ForKind.PARALLEL]
     assert _imbalance(tasks, 2) <= MAX_IMBALANCE, sch.mod["main"]
+
+
+def test_injective_stage_with_a_symbolic_batch_is_parallel_and_vectorized():
+    """A generic entry's copy stages (Winograd's pad, a strided 1x1 conv's subsample) have a
+    symbolic batch: the stage still gets its parallel loop over batch x channels and a vector
+    inner loop (it was one parallel loop over the images: serial and scalar for one image)."""
+    from tvm_fusion.schedules._util import schedule_injective_block
+
+    n = te.var("n", dtype="int64")
+    x = te.placeholder((n, 16, 8, 32), name="x")
+    y = te.compute(x.shape, lambda b, c, h, w: x[b, c, h, w] * 2.0, name="y")
+    sch = s_tir.Schedule(te.create_prim_func([x, y]))
+    schedule_injective_block(sch, sch.get_sblock("y"), ZNVER3)
+    loops = collect_loops(sch.mod["main"])
+    (par,) = [lp for lp in loops if lp.kind == tirx.ForKind.PARALLEL]
+    assert uses_var(par.extent, n) and not isinstance(par.extent, tirx.IntImm)
+    assert any(lp.kind == tirx.ForKind.VECTORIZED for lp in loops)

@@ -154,7 +154,8 @@ def schedule_injective_block(sch: s_tir.Schedule, block, target: Target, paralle
     dtype = stmt.writes[0].source.dtype if stmt.writes else "float32"
     lanes = vector_lanes(target, dtype)
     extents = [int_extent(sch, lp) for lp in loops]
-    if any(e is None for e in extents):
+    symbolic_outer = extents[0] is None
+    if None in extents[1:] or (symbolic_outer and len(loops) == 1):
         _try(sch.parallel, loops[0]) if parallel else None
         return
     # drop the unit loops, they only get in the way of fuse/split decisions
@@ -182,13 +183,13 @@ def schedule_injective_block(sch: s_tir.Schedule, block, target: Target, paralle
     if parallel and outer_loops:
         cores = num_cores(target)
         # fuse leading loops until there is enough parallel work, keep the rest serial
-        outer_ext = [int_extent(sch, lp) for lp in outer_loops]
+        outer_ext = [int_extent(sch, lp) or 1 for lp in outer_loops]
         k, prod = 0, 1
         while k < len(outer_loops) and prod < 16 * cores:
             prod *= outer_ext[k]
             k += 1
         fused = sch.fuse(*outer_loops[:k]) if k > 1 else outer_loops[0]
-        if prod > 1:
+        if prod > 1 or symbolic_outer:
             _try(sch.parallel, fused)
     if vec is not None:
         _try(sch.vectorize, vec)

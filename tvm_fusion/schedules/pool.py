@@ -42,7 +42,7 @@ class WindowReduction(CpuRule):
         consumers = sch.get_consumers(main)
         n_reduce = len(loops) - n_spatial
         init = sch.decompose_reduction(main, sch.get_loops(main)[-n_reduce])
-        handled.add(sch.get(init).name_hint)
+        handled |= {sch.get(init).name_hint, sch.get(main).name_hint}  # main is now "<name>_update"
         for cons in consumers:  # an epilogue (avg pool's divide, an activation): per row too
             if try_primitive(sch.reverse_compute_at, cons, rows, True):
                 handled.add(sch.get(cons).name_hint)

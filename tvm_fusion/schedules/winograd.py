@@ -196,7 +196,7 @@ class Winograd(CpuRule):
 
         # ---- input transform and pad: parallel root stages ---------------------------------
         self._schedule_input(sch, stages["input"], stages.get("input_rows"), target)
-        _schedule_pad(sch, stages["pad"], target)
+        schedule_injective_block(sch, stages["pad"], target)
         return sch
 
     @staticmethod
@@ -235,18 +235,6 @@ class Winograd(CpuRule):
         sch.unroll(n_l)
         for loop in r_tx:
             try_primitive(sch.vectorize, loop)
-
-
-def _schedule_pad(sch, pad, target) -> None:
-    """The polyphase pad P[b, c, y, r, q] as any injective stage; with a symbolic batch (a
-    generic entry), which would leave it one parallel loop over the images (serial and scalar for
-    one image), parallel over images x channels and vectorized along q instead."""
-    b_l, c_l, *_, q_l = sch.get_loops(pad)
-    if int_extent(sch, b_l) is not None:
-        schedule_injective_block(sch, pad, target)
-        return
-    sch.parallel(sch.fuse(b_l, c_l))
-    try_primitive(sch.vectorize, q_l)
 
 
 def _blocks_per_task(alpha, channels_out, rows, tile_cols, vt, rt, target) -> list[int]:
