@@ -24,6 +24,7 @@ from tvm_fusion.schedules.attention import (
     cpu_attention_kernel,
     cpu_tiles,
     cuda_attention_kernel,
+    tile_work,
 )
 from tvm_fusion.targets import llvm_target
 
@@ -340,6 +341,16 @@ def test_cpu_tiles_fit_the_target(mcpu):
     assert tiles.q_tile % tiles.qk_cols == 0 and tiles.q_tile % tiles.pv_rows == 0
     assert tiles.kv_tile % tiles.qk_rows == 0 and tiles.qk_cols % tiles.lanes == 0
     assert spec.head_dim_v % tiles.pv_cols == 0
+
+
+@pytest.mark.parametrize("mcpu", ["znver3", "skylake-avx512"])
+@pytest.mark.parametrize("seq, causal, bound", [(197, False, 1.2), (128, True, 0.85), (77, False, 1.2)])
+def test_cpu_tiles_waste_little_work(mcpu, seq, causal, bound):
+    """The kernel computes whole tiles: ViT's 197 tokens in 48 x 64 tiles computed 1.58x the
+    scores (now 1.12x), and a causal 128-token GPT-2 head computed more than the full square."""
+    spec = AttentionSpec(1, 12, seq, seq, 64, 64, 0.125, causal_offset=0 if causal else None)
+    tiles = cpu_tiles(spec, llvm_target(mcpu))
+    assert tile_work(spec, tiles.q_tile, tiles.kv_tile) <= bound * seq * seq
 
 
 def test_cuda_attention_builds_and_exports(tmp_path):
