@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import tvm
 from conftest import max_abs_err, ort_run, run_relax
@@ -55,6 +56,23 @@ def activation_chain(n=6, shape=(1, 64)):
 def test_max_fusion_depth_caps_group_size(depth, expected):
     mod = imported(activation_chain(6))
     assert group_sizes(mod, FusionPolicy(max_fusion_depth=depth)) == expected
+
+
+def test_views_do_not_count_toward_the_depth():
+    """Reshapes are free index remaps: a GEMM's bias add, reshape, residual add and activation
+    are one group at depth 4 (the reshape took the activation's slot before)."""
+    g = models.GraphBuilder("view_chain")
+    x = g.input("input", (8, 32))
+    shape = g.const("shape", np.array([2, 4, 32], np.int64))
+    h = g.op("MatMul", [x, g.weight("w", (32, 32))])
+    h = g.op("Add", [h, g.weight("b", (32,))])
+    h = g.op("Reshape", [h, shape])
+    h = g.op("Add", [h, g.weight("r", (2, 4, 32))])
+    h = g.op("Relu", [h])
+    (report,) = plan_module(imported(g.finish([h])), None, "llvm")
+    assert [[n.op_name for n in grp.nodes] for grp in report.groups] == [
+        ["matmul", "add", "reshape", "add", "nn.relu"]
+    ]
 
 
 def test_depth_groups_run_correctly_and_become_one_kernel_each():

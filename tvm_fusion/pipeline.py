@@ -9,6 +9,8 @@ Order, and why:
 2. ``CanonicalizeActivations``: exporters spell GELU/SiLU/HardSwish as arithmetic; one op fuses
    as an epilogue, five ops with a diamond do not. ``SimplifyPoolCeilMode``: a ``ceil_mode`` pool
    whose windows rounding up does not change loses the flag (and TOPI's padded copy of its input).
+   ``SimplifyUnitPermutes``: a transpose of size-1 axes only (ViT's seq-first attention at batch 1)
+   is a free reshape, moved in front of a layer norm so that the norm still fuses into its GEMM.
 3. ``HorizontalFuse``: sibling GEMMs/convs over one input become one (Q/K/V -> one GEMM + split).
    ``FuseAttention``: each attention block becomes one ``fused_attention`` function (after the
    QKV merge, which it looks through; before fusion, which would otherwise split the block).
@@ -50,6 +52,7 @@ from .passes import (
     PadConvChannels,
     RewriteLayout,
     SimplifyPoolCeilMode,
+    SimplifyUnitPermutes,
     StackAllocateLoopBuffers,
 )
 from .policy import FusionPolicy
@@ -112,7 +115,7 @@ def pipeline_stages(
     rewrite: list[tvm.transform.Pass] = [BindUnknownShapes()]
     if fold_batch_norm:
         rewrite += [FoldBatchNorm(), relax.transform.FoldConstant()]
-    rewrite += [CanonicalizeActivations(), SimplifyPoolCeilMode()]
+    rewrite += [CanonicalizeActivations(), SimplifyPoolCeilMode(), SimplifyUnitPermutes()]
     if horizontal:
         rewrite.append(HorizontalFuse())
     if attention and fusion:

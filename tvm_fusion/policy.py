@@ -10,7 +10,8 @@ pass. Users write their own policy as a dict::
 Ops are grouped into *classes* (``OP_CLASSES``); the ``vertical`` table says which producer
 class may hand its output to which consumer classes inside one kernel. On top of the table:
 
-* ``max_fusion_depth`` caps the number of ops in one group (default 4);
+* ``max_fusion_depth`` caps the number of ops in one group (default 4); views (the ``view`` class:
+  reshape, squeeze, ...) are free index remaps and do not count;
 * the unique-consumer rule: a producer whose output has several consumers (or is a function
   output) is never fused with a consumer, because its output must be written to memory anyway
   (this is not configurable: it is what keeps every group convex and side-effect free);

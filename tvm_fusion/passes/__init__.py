@@ -11,6 +11,7 @@ from .mark_single_buffer_noalias import MarkSingleBufferNoAlias
 from .pad_conv_channels import PadConvChannels
 from .rewrite_layout import RewriteLayout, count_layout_transforms
 from .simplify_pool_ceil_mode import SimplifyPoolCeilMode
+from .simplify_unit_permutes import SimplifyUnitPermutes
 from .stack_allocate_loop_buffers import StackAllocateLoopBuffers
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "PadConvChannels",
     "RewriteLayout",
     "SimplifyPoolCeilMode",
+    "SimplifyUnitPermutes",
     "StackAllocateLoopBuffers",
     "attention_decisions",
     "count_layout_transforms",

@@ -52,6 +52,12 @@ class Group:
         return self.nodes[-1]
 
     @property
+    def depth(self) -> int:
+        """Ops that count toward ``max_fusion_depth``: views (reshape, squeeze, ...) are free
+        index remaps, so a view in the chain leaves room for the op after it."""
+        return sum(n.op_class != "view" for n in self.nodes)
+
+    @property
     def name(self) -> str:
         return "fused_" + "_".join(n.op_name.split(".")[-1] for n in self.nodes)
 
@@ -154,7 +160,7 @@ class FusionPlanner:
                 accepted=False,
                 reason=f"producer output has {uses.get(arg, 0)} consumers (unique-consumer rule)",
             )
-        if len(group.nodes) >= policy.max_fusion_depth:
+        if consumer.op_class != "view" and group.depth >= policy.max_fusion_depth:
             return Decision(
                 **edge,
                 accepted=False,

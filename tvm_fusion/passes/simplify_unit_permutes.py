@@ -1,0 +1,120 @@
+"""SimplifyUnitPermutes: a ``permute_dims`` that moves only size-1 axes is a ``reshape``.
+
+Why: ``nn.MultiheadAttention`` with ``batch_first=False`` (torchvision's ViT) transposes
+``[batch, seq, dim]`` to ``[seq, batch, dim]`` and back around every attention block. At batch 1
+that moves no data, yet each ``permute_dims`` became a copy kernel, and the one between the
+block's layer norm and its Q/K/V GEMM kept the norm out of the GEMM (the policy fuses
+``norm -> gemm``, not ``norm -> injective -> gemm``). As a ``reshape`` it is a free view.
+
+Second rewrite, for the same reason: ``reshape(layer_norm(x))`` whose reshape keeps the normalized
+trailing axes, and whose norm has no other use, becomes ``layer_norm(reshape(x))``: the same values
+(the norm sees the same rows), and the norm now feeds its GEMM directly.
+
+Both are exact. Axes of symbolic size are never taken as size 1.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ..ir import graph_functions, op_name, shape_dims, with_functions
+
+__all__ = ["SimplifyUnitPermutes", "moves_only_unit_axes"]
+
+
+def moves_only_unit_axes(call: relax.Call) -> bool:
+    """True for a ``permute_dims`` whose axes of size other than 1 keep their order."""
+    if op_name(call) != "relax.permute_dims":
+        return False
+    dims = shape_dims(call.args[0])
+    if dims is None:
+        return False
+    axes = list(range(len(dims)))[::-1] if call.attrs.axes is None else [int(a) for a in call.attrs.axes]
+    kept = [a for a in axes if dims[a] != 1]
+    return kept == sorted(kept)
+
+
+def _trailing_norm_axes(call: relax.Call) -> int | None:
+    """How many trailing axes a ``layer_norm`` normalizes (None: not a trailing run)."""
+    dims = shape_dims(call.args[0])
+    if dims is None:
+        return None
+    rank = len(dims)
+    axes = sorted(int(a) % rank for a in call.attrs.axes)
+    return len(axes) if axes == list(range(rank - len(axes), rank)) else None
+
+
+@relax.expr_functor.mutator
+class _Rewriter(relax.PyExprMutator):
+    def __init__(self, mod, uses: dict):
+        super().__init__(mod)
+        self.uses = uses  # Var -> number of uses in the original function
+
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        if moves_only_unit_axes(call):
+            return relax.op.reshape(call.args[0], call.ty.shape)
+        if op_name(call) == "relax.reshape":
+            return self._hoist_over_layer_norm(call)
+        return call
+
+    def _hoist_over_layer_norm(self, reshape: relax.Call) -> relax.Call:
+        source = reshape.args[0]
+        if not isinstance(source, relax.Var) or self.uses.get(source, 0) != 1:
+            return reshape
+        norm = self.lookup_binding(source)
+        if op_name(norm) != "relax.nn.layer_norm":
+            return reshape
+        k = _trailing_norm_axes(norm)
+        before, after = shape_dims(norm), shape_dims(reshape)
+        if k is None or before is None or after is None or len(after) < k:
+            return reshape
+        if None in before[-k:] or tuple(before[-k:]) != tuple(after[-k:]):
+            return reshape
+        a = norm.attrs
+        rank = len(after)
+        return relax.op.nn.layer_norm(
+            self.builder_.emit(relax.op.reshape(norm.args[0], reshape.ty.shape)),
+            norm.args[1],
+            norm.args[2],
+            axes=list(range(rank - k, rank)),
+            epsilon=float(a.epsilon),
+            center=bool(a.center),
+            scale=bool(a.scale),
+        )
+
+
+def _use_counts(func: relax.Function) -> dict:
+    uses: dict = {}
+
+    def visit(expr):
+        if isinstance(expr, relax.Var):
+            uses[expr] = uses.get(expr, 0) + 1
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return uses
+
+
+@tvm.transform.module_pass(opt_level=0, name="SimplifyUnitPermutes")
+class SimplifyUnitPermutes:
+    """Rewrite ``permute_dims`` of size-1 axes only to ``reshape``, and move a ``reshape`` that
+    keeps a layer norm's axes in front of the norm."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        updates = {}
+        for gvar, func in graph_functions(mod):
+            if not any(moves_only_unit_axes(c) for c in _calls(func)):
+                continue
+            func = _Rewriter(mod, {}).visit_expr(func)  # permutes -> reshapes
+            func = _Rewriter(mod, _use_counts(func)).visit_expr(func)  # reshapes over norms
+            updates[gvar] = relax.analysis.remove_all_unused(func)
+        return with_functions(mod, updates)
+
+
+def _calls(func: relax.Function) -> list[relax.Call]:
+    calls = []
+    relax.analysis.post_order_visit(
+        func.body, lambda e: calls.append(e) if isinstance(e, relax.Call) else None
+    )
+    return calls
