@@ -433,6 +433,38 @@ def test_rules_decline_what_they_do_not_handle():
     assert ParallelFallback().apply(relu, cuda, False) is None
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "softmax"])
+def test_row_reduction_sums_rows_in_simd_lanes(op):
+    """Each row's sums are partial sums in vector lanes (an rfactor block, vectorized), every
+    block under one parallel row loop; dlight's rule summed one scalar chain per row (BERT's
+    128x768 layer norm 0.098 -> 0.012 ms)."""
+    x, g, b = (
+        te.placeholder((64, 256), name="x"),
+        te.placeholder((256,), name="g"),
+        te.placeholder((256,), name="b"),
+    )
+    if op == "layer_norm":
+        func = te.create_prim_func([x, g, b, topi.nn.layer_norm(x, g, b, axis=[-1], epsilon=1e-5)])
+    else:
+        func = te.create_prim_func([x, topi.nn.softmax(x)])
+    sch = RowReduction().apply(func, ZNVER3, False)
+    mod = sch.mod["main"]
+    assert '_rf_update"' in mod.script(), "no partial sums in lanes"
+    kinds = [loop.kind for loop in collect_loops(mod)]
+    assert kinds.count(tirx.ForKind.PARALLEL) == 1 and tirx.ForKind.VECTORIZED in kinds
+    lib = tvm.tirx.build(sch.mod, target=ZNVER3)
+    xv, gv, bv = _rand(64, 256), _rand(256), _rand(256)
+    out = tvm.runtime.tensor(np.zeros((64, 256), "float32"))
+    if op == "layer_norm":
+        lib["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(gv), tvm.runtime.tensor(bv), out)
+        ref = (xv - xv.mean(1, keepdims=True)) / np.sqrt(xv.var(1, keepdims=True) + 1e-5) * gv + bv
+    else:
+        lib["main"](tvm.runtime.tensor(xv), out)
+        e = np.exp(xv - xv.max(1, keepdims=True))
+        ref = e / e.sum(1, keepdims=True)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-5)
+
+
 def test_fallback_parallelizes_a_reduction_without_splitting_it():
     x = te.placeholder((64, 100), name="x")
     k = te.reduce_axis((0, 100), name="k")

@@ -1,13 +1,15 @@
-"""Row reductions (softmax, layer_norm, RMS norm): dlight's CPU Reduction, applied only where safe.
+"""Row reductions (softmax, layer_norm, RMS norm) and plain reductions (a global mean / sum).
 
-``dlight.cpu.Reduction`` parallelizes the shared leading spatial axes and computes every block per
-row. That is right for softmax / layer_norm, but it would also accept a conv + bias (one reduction
-then injective), computing each output element in its own parallel iteration; so this rule only
-hands over functions with at least two reduction blocks (the Contraction rule takes single ones).
+``RowReduction`` computes every block of a row under one parallel row loop with the sums in SIMD
+lanes, falling back to ``dlight.cpu.Reduction`` for shapes that schedule cannot take. Either would
+also accept a conv + bias (one reduction then injective), computing each output element in its own
+parallel iteration; so it only takes functions with at least two reduction blocks (the Contraction
+rule takes single ones).
 """
 
 from __future__ import annotations
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
@@ -20,16 +22,24 @@ from ._util import (
     int_extent,
     is_cpu,
     last_dim_stride,
+    logger,
     safe_rule,
     try_primitive,
     vector_lanes,
 )
-from .contraction import _reads_varying_with_reduction, _vectorize_row_inner
+from .contraction import _reads_varying_with_reduction, _schedule_row_prologue, _vectorize_row_inner
 
 MAX_PARTIAL_SUMS = 16  # lanes of a ragged plane's float32 sum: two AVX2 vectors, one AVX-512
 
 
 class RowReduction(ScheduleRule):
+    """Row-wise normalisations (layer_norm, softmax, RMS norm): every block of a row computed under
+    one parallel row loop (the row stays in L1), the sums vectorized by an rfactor over SIMD lanes
+    (``contraction._schedule_row_prologue``, the schedule of a norm fused in front of a GEMM).
+
+    dlight's CPU Reduction (the fallback here) sums each row as one scalar chain, an add latency
+    per element: BERT's standalone 128x768 layer norms took 0.105 ms, 2.4 % of the model."""
+
     def __init__(self):
         self._inner = _DlightReduction()
 
@@ -43,7 +53,24 @@ class RowReduction(ScheduleRule):
         infos = normalize_prim_func(s_tir.Schedule(func))
         if not infos or sum(1 for b in infos if not b.is_injective()) < 2:
             return None
-        return self._inner.apply(func, target, tunable)
+        return _vectorized_rows(func, target) or self._inner.apply(func, target, tunable)
+
+
+def _vectorized_rows(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    """The row schedule when the function is one chain of row blocks ending in a single spatial
+    output block that every other block feeds (None otherwise)."""
+    sch = s_tir.Schedule(func)
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    sinks = [b for b in blocks if not sch.get_consumers(b)]
+    if len(sinks) != 1:
+        return None
+    try:
+        scheduled = _schedule_row_prologue(sch, sinks[0], target)
+    except (tvm.TVMError, ValueError) as err:
+        logger.debug("row schedule of %s failed: %s", sch.get(sinks[0]).name_hint, err)
+        return None
+    root_blocks = {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
+    return sch if scheduled and not root_blocks - scheduled else None
 
 
 class PlainReduction(CpuRule):
