@@ -465,6 +465,20 @@ def test_row_reduction_sums_rows_in_simd_lanes(op):
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-5)
 
 
+def test_row_reduction_leaves_a_channel_softmax_to_dlight():
+    """A softmax over NCHW's channels reads its sums at (n, h, w) while the output's rows are
+    (n, c, h): under that row loop each row would redo the reduction, so dlight's schedule stays."""
+    x = te.placeholder((1, 32, 8, 8), name="x")
+    sch = RowReduction().apply(te.create_prim_func([x, topi.nn.softmax(x, axis=1)]), ZNVER3, False)
+    assert '_rf_update"' not in sch.mod["main"].script()
+    lib = tvm.tirx.build(sch.mod, target=ZNVER3)
+    xv = _rand(1, 32, 8, 8)
+    out = tvm.runtime.tensor(np.zeros((1, 32, 8, 8), "float32"))
+    lib["main"](tvm.runtime.tensor(xv), out)
+    e = np.exp(xv - xv.max(1, keepdims=True))
+    np.testing.assert_allclose(out.numpy(), e / e.sum(1, keepdims=True), rtol=1e-5, atol=1e-6)
+
+
 def test_fallback_parallelizes_a_reduction_without_splitting_it():
     x = te.placeholder((64, 100), name="x")
     k = te.reduce_axis((0, 100), name="k")

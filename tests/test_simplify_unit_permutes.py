@@ -54,6 +54,10 @@ def test_a_real_transpose_is_kept():
         ((4, 1, 8, 1), [1, 3, 0, 2], True),
         ((2, 197, 768), [1, 0, 2], False),
         ((1, 8, 16), [0, 2, 1], False),
+        ((1, 8, 16), [0, -1, 1], False),  # negative axes: still the 8 <-> 16 transpose
+        ((1, 8, 16), [-2, -3, -1], True),
+        ((1, 1, 16), None, True),  # axes=None reverses them
+        ((2, 1, 16), None, False),
         (("n", 1, 16), [1, 0, 2], True),  # the symbolic axis keeps its place
         (("n", "m", 16), [1, 0, 2], False),  # a symbolic size may be anything but 1
     ],

@@ -164,7 +164,7 @@ class FusionPlanner:
             return Decision(
                 **edge,
                 accepted=False,
-                reason=f"group already has max_fusion_depth={policy.max_fusion_depth} ops",
+                reason=f"group already has max_fusion_depth={policy.max_fusion_depth} ops (views not counted)",
             )
         if group.has_anchor and policy.is_anchor(consumer.op_class):
             return Decision(**edge, accepted=False, reason="group already holds an anchor op (conv/gemm)")

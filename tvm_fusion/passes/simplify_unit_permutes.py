@@ -30,7 +30,8 @@ def moves_only_unit_axes(call: relax.Call) -> bool:
     dims = shape_dims(call.args[0])
     if dims is None:
         return False
-    axes = list(range(len(dims)))[::-1] if call.attrs.axes is None else [int(a) for a in call.attrs.axes]
+    rank = len(dims)
+    axes = list(range(rank))[::-1] if call.attrs.axes is None else [int(a) % rank for a in call.attrs.axes]
     kept = [a for a in axes if dims[a] != 1]
     return kept == sorted(kept)
 

@@ -207,11 +207,13 @@ def cpu_tiles(spec: AttentionSpec, target: Target) -> CpuTiles:
     pv = _register_tiles(regs, lanes, lambda w: dv % w == 0) or [
         (max(1, min(8, (regs - 2) * lanes // dv)), 0, 0.0)
     ]
+    steps = [math.lcm(c1 * lanes, r2) for _, c1, _ in qk for r2, _, _ in pv]
+    max_step = MAX_QUERY_STEP if min(steps) <= MAX_QUERY_STEP else min(steps)  # e.g. 7-row P.V tiles
     best = None
     for r1, c1, e1 in qk:
         for r2, c2, e2 in pv:
             step = math.lcm(c1 * lanes, r2)
-            if step > MAX_QUERY_STEP:
+            if step > max_step:
                 continue
             for q_tile in range(step, max(step, MAX_QUERY_TILE) + 1, step):
                 for kv_tile in _tight_tiles(spec.seq_kv, r1):

@@ -9,7 +9,6 @@ rule takes single ones).
 
 from __future__ import annotations
 
-import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
@@ -39,7 +38,7 @@ class RowReduction(ScheduleRule):
     front of a GEMM).
 
     dlight's CPU Reduction (the fallback here) sums each row as one scalar chain, an add latency
-    per element: BERT's standalone 128x768 layer norms took 0.105 ms, 2.4 % of the model."""
+    per element: BERT's standalone 128x768 layer norms took 0.098 ms each, 2.4 % of the model."""
 
     def __init__(self):
         self._inner = _DlightReduction()
@@ -59,19 +58,41 @@ class RowReduction(ScheduleRule):
 
 def _vectorized_rows(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
     """The row schedule when the function is one chain of row blocks ending in a single spatial
-    output block that every other block feeds (None otherwise)."""
+    output block that every other block feeds, its reductions over the trailing axes of the rows
+    the output block iterates (None otherwise)."""
     sch = s_tir.Schedule(func)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
     sinks = [b for b in blocks if not sch.get_consumers(b)]
-    if len(sinks) != 1:
+    if len(sinks) != 1 or not _rows_line_up([sch.get(b) for b in blocks], sch.get(sinks[0])):
         return None
     try:
         scheduled = _schedule_row_prologue(sch, sinks[0], target)
-    except (tvm.TVMError, ValueError) as err:
+    except Exception as err:  # pylint: disable=broad-except
         logger.debug("row schedule of %s failed: %s", sch.get(sinks[0]).name_hint, err)
         return None
     root_blocks = {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
     return sch if scheduled and not root_blocks - scheduled else None
+
+
+def _rows_line_up(stmts: list, sink) -> bool:
+    """Whether every reduction reduces the trailing axes of one row of the output: a reduction's
+    result is read, wherever it is read, at the reader's leading loop variables. A softmax over
+    NCHW's channel axis reads its sums at (n, h, w) while the output's rows are (n, c, h): computed
+    under that row loop, each row would redo the whole reduction."""
+    reduced = [st.writes[0].source for st in stmts if not all(_spatial(it) for it in st.iter_vars)]
+    for st in stmts:
+        lead = [it.var for it in st.iter_vars]
+        for region in st.reads:
+            if not any(region.source.same_as(buf) for buf in reduced):
+                continue
+            index = [r.min for r in region.region if not isinstance(r.min, tirx.IntImm)]
+            if len(index) > len(lead) or any(not i.same_as(v) for i, v in zip(index, lead)):
+                return False
+    return True
+
+
+def _spatial(iter_var) -> bool:
+    return iter_var.iter_type == tirx.IterVar.DataPar
 
 
 class PlainReduction(CpuRule):
