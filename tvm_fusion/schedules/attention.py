@@ -207,26 +207,25 @@ def cpu_tiles(spec: AttentionSpec, target: Target) -> CpuTiles:
     pv = _register_tiles(regs, lanes, lambda w: dv % w == 0) or [
         (max(1, min(8, (regs - 2) * lanes // dv)), 0, 0.0)
     ]
-    steps = [math.lcm(c1 * lanes, r2) for _, c1, _ in qk for r2, _, _ in pv]
-    max_step = MAX_QUERY_STEP if min(steps) <= MAX_QUERY_STEP else min(steps)  # e.g. 7-row P.V tiles
+    pairs = [(math.lcm(c1 * lanes, r2), (r1, c1, e1), (r2, c2, e2)) for r1, c1, e1 in qk for r2, c2, e2 in pv]
+    min_step = min(step for step, _, _ in pairs)
+    max_step = MAX_QUERY_STEP if min_step <= MAX_QUERY_STEP else min_step  # e.g. 7-row P.V tiles
     best = None
-    for r1, c1, e1 in qk:
-        for r2, c2, e2 in pv:
-            step = math.lcm(c1 * lanes, r2)
-            if step > max_step:
-                continue
-            for q_tile in range(step, max(step, MAX_QUERY_TILE) + 1, step):
-                for kv_tile in _tight_tiles(spec.seq_kv, r1):
-                    if q_tile * kv_tile > SCORE_TILE_FLOATS and kv_tile > r1:
-                        continue
-                    tasks = spec.batch * spec.heads * -(-spec.seq_q // q_tile)
-                    cost = tile_work(spec, q_tile, kv_tile) * -(-tasks // cores) * cores / tasks
-                    key = (cost, -(e1 + e2), abs(q_tile - 64))
-                    if best is None or key < best[0]:
-                        best = (
-                            key,
-                            CpuTiles(q_tile, kv_tile, r1, c1 * lanes, r2, c2 * lanes if c2 else dv, lanes),
-                        )
+    for step, (r1, c1, e1), (r2, c2, e2) in pairs:
+        if step > max_step:
+            continue
+        for q_tile in range(step, max(step, MAX_QUERY_TILE) + 1, step):
+            tasks = spec.batch * spec.heads * -(-spec.seq_q // q_tile)
+            slots = -(-tasks // cores) * cores  # tasks rounded up to whole rounds over the cores
+            for kv_tile in _tight_tiles(spec.seq_kv, r1):
+                if q_tile * kv_tile > SCORE_TILE_FLOATS and kv_tile > r1:
+                    continue
+                key = (tile_work(spec, q_tile, kv_tile) * slots / tasks, -(e1 + e2), abs(q_tile - 64))
+                if best is None or key < best[0]:
+                    best = (
+                        key,
+                        CpuTiles(q_tile, kv_tile, r1, c1 * lanes, r2, c2 * lanes if c2 else dv, lanes),
+                    )
     return best[1]
 
 

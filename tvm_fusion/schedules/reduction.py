@@ -63,7 +63,7 @@ def _vectorized_rows(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | No
     sch = s_tir.Schedule(func)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
     sinks = [b for b in blocks if not sch.get_consumers(b)]
-    if len(sinks) != 1 or not _rows_line_up([sch.get(b) for b in blocks], sch.get(sinks[0])):
+    if len(sinks) != 1 or not _rows_line_up([sch.get(b) for b in blocks]):
         return None
     try:
         scheduled = _schedule_row_prologue(sch, sinks[0], target)
@@ -74,7 +74,7 @@ def _vectorized_rows(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | No
     return sch if scheduled and not root_blocks - scheduled else None
 
 
-def _rows_line_up(stmts: list, sink) -> bool:
+def _rows_line_up(stmts: list) -> bool:
     """Whether every reduction reduces the trailing axes of one row of the output: a reduction's
     result is read, wherever it is read, at the reader's leading loop variables. A softmax over
     NCHW's channel axis reads its sums at (n, h, w) while the output's rows are (n, c, h): computed
