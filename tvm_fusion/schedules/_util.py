@@ -279,6 +279,21 @@ def reachable_blocks(sch, block, step) -> list:
     return out
 
 
+def elementwise_epilogue(sch, block) -> list | None:
+    """The elementwise blocks after ``block`` (crop, bias, clip, a residual add, SiLU's
+    ``x * sigmoid(x)``, which reads the value twice), nearest first, ending with the one that
+    writes the result; None when the result feeds a reduction or more than one output (another
+    rule's kernel). Every block but the last can be ``compute_inline``-d into its consumers."""
+    blocks = reachable_blocks(sch, block, sch.get_consumers)
+    if any(iv.iter_type != tirx.IterVar.DataPar for b in blocks for iv in sch.get(b).iter_vars):
+        return None
+    sinks = [b for b in blocks if not sch.get_consumers(b)]
+    if len(sinks) != 1:
+        return None
+    last = sch.get(sinks[0]).name_hint
+    return [b for b in blocks if sch.get(b).name_hint != last] + sinks
+
+
 class CpuRule(ScheduleRule):
     """A dlight schedule rule for LLVM CPU targets."""
 

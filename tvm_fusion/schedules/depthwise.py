@@ -31,9 +31,9 @@ from ..legalize.depthwise_conv import GROUP_OUT, PAD_COLUMNS, STAGE
 from ._util import (
     CpuRule,
     divisors_upto,
+    elementwise_epilogue,
     int_extent,
     num_vector_registers,
-    reachable_blocks,
     safe_rule,
     try_primitive,
     vector_lanes,
@@ -92,7 +92,7 @@ class Depthwise(CpuRule):
         if set(stages) - {"crop", "phase"} != {"pad", "conv"}:
             return None
         conv, pad = stages["conv"], stages["pad"]
-        epilogue = _epilogue(sch, conv)
+        epilogue = elementwise_epilogue(sch, conv)
         staged = 3 if "phase" in stages else 2
         if epilogue is None or len(sch.get_child_blocks(sch.get_sblock("root"))) != staged + len(epilogue):
             return None
@@ -186,17 +186,3 @@ def _pad_in_phase_copy(sch, pad, phase) -> None:
     parts = [n for n in (q_start, q_stop - q_start, extent - q_stop) if n > 0]
     if len(parts) > 1:
         sch.loop_partition(q_loop, parts[:-1])  # the last part is the rest
-
-
-def _epilogue(sch, conv) -> list | None:
-    """The elementwise blocks after the conv (crop, bias, clip, SiLU's ``x * sigmoid(x)``, a
-    residual add), nearest first, ending with the one that writes the result; None when the
-    conv's result feeds a reduction or more than one result (another rule's kernel)."""
-    blocks = reachable_blocks(sch, conv, sch.get_consumers)
-    if any(iv.iter_type != tirx.IterVar.DataPar for b in blocks for iv in sch.get(b).iter_vars):
-        return None
-    sinks = [b for b in blocks if not sch.get_consumers(b)]
-    if len(sinks) != 1:
-        return None
-    last = sch.get(sinks[0]).name_hint
-    return [b for b in blocks if sch.get(b).name_hint != last] + sinks

@@ -37,6 +37,7 @@ from ._util import (
     LAYOUT_REWRITE_PREPROC,
     CpuRule,
     divisors_upto,
+    elementwise_epilogue,
     int_extent,
     logger,
     num_cores,
@@ -121,11 +122,11 @@ class Winograd(CpuRule):
         lanes = vector_lanes(target, "float32")
 
         # ---- the epilogue chain: one block reading M (output transform inlined) -------------
-        chain = [stages["output"]]
-        while consumers := sch.get_consumers(chain[-1]):
-            if len(consumers) != 1:
-                return None
-            chain.append(consumers[0])
+        output = stages["output"]
+        epilogue = elementwise_epilogue(sch, output) if sch.get_consumers(output) else []
+        if epilogue is None:
+            return None
+        chain = [output, *epilogue]
         for blk in chain[:-1]:
             sch.compute_inline(blk)
         final = chain[-1]
