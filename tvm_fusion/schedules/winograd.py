@@ -32,7 +32,7 @@ import math
 from tvm import tirx
 from tvm.target import Target
 
-from ..legalize.winograd_conv import STAGE, TILE
+from ..legalize.winograd_conv import SIGNATURE, STAGE, TILE
 from ._util import (
     LAYOUT_REWRITE_PREPROC,
     CpuRule,
@@ -54,6 +54,28 @@ MAX_PLAN_CHOICES = 12
 FMA_IN_FLIGHT = 8  # FMA latency x pipes: fewer accumulators leave the pipes idle
 TASK_TILE_BYTES = 96 << 10  # a task's α² accumulator tiles (written once, read by the output)
 MIN_TASKS_PER_CORE = 4
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_declined(rule, func, target) -> None:
+    """Say so (once per conv shape) when a kernel the Winograd legalization wrote is not one this
+    rule can schedule (an epilogue it cannot take, a symbolic size): the next rules compute it
+    correctly, but with the weight transform at every call, ~25x slower (EfficientNetV2's SiLU
+    epilogue was such a case until the rule took DAG epilogues)."""
+    opened = rule.staged(func, target, STAGE)
+    if opened is None or "gemm" not in opened[1]:
+        return
+    sch, stages = opened
+    signature = str(sch.get(stages["gemm"]).annotations.get(SIGNATURE, "?"))
+    if signature not in _WARNED:
+        _WARNED.add(signature)
+        logger.warning(
+            "Winograd conv %s: the Winograd schedule does not apply to its fused kernel, which will run "
+            "slowly; build with conv_algorithms='direct' and report the model",
+            signature,
+        )
 
 
 def _layout_free_params(func) -> set:
@@ -96,8 +118,14 @@ class Winograd(CpuRule):
         self.knobs = dict(knobs or {})
         self.last_knobs: Knobs | None = None
 
-    @safe_rule
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        sch = self._apply(func, target, tunable)
+        if sch is None:
+            _warn_declined(self, func, target)
+        return sch
+
+    @safe_rule
+    def _apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         opened = self.staged(func, target, STAGE)
         if opened is None:
             return None
