@@ -63,3 +63,26 @@ def test_packing_calls_fold_to_the_same_constants_as_fold_constant(cpu_target):
     with cpu_target:
         full = apply_default_schedules(cpu_target)(relax.get_pipeline("zero")(_module(weights)))
     assert _constant_calls(full) == 0
+
+
+def test_a_weight_shared_by_several_calls_is_packed_once(cpu_target):
+    # ALBERT's 12 layers share one set of weights: one packed copy each, not one per layer
+    rng = np.random.default_rng(1)
+    shared = rng.standard_normal((64, 64)).astype("float32")
+    other = rng.standard_normal((64, 32)).astype("float32")
+    with cpu_target:
+        mod = apply_default_schedules(cpu_target)(relax.get_pipeline("zero")(_module([shared] * 3 + [other])))
+    assert _constant_calls(mod) == 0
+    packed = []
+
+    def visit(e):
+        tensor = isinstance(e, tvm.ir.expr.Constant) and isinstance(e.value, tvm.runtime.Tensor)
+        if tensor and not any(e.same_as(p) for p in packed):
+            packed.append(e)
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    assert sorted(p.value.numpy().size for p in packed) == [32 * 64, 64 * 64], [p.value.shape for p in packed]
+    x = rng.standard_normal((4, 64)).astype("float32")
+    vm = relax.VirtualMachine(tvm.compile(mod, target=cpu_target), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(x)).numpy()
+    np.testing.assert_allclose(got, x @ shared @ shared @ shared @ other, rtol=1e-4, atol=1e-4)
