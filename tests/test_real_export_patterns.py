@@ -391,3 +391,23 @@ def test_zoo_report_shows_how_a_file_had_to_be_exported(tmp_path):
     md = tmp_path / "zoo.md"
     zoo.write_report({"t5_encoder.dynamo": row}, md, tmp_path / "zoo.png")
     assert "## Export notes\n\n- t5_encoder (dynamo): exported with eager attention" in md.read_text()
+
+
+def test_more_models_report_counts_only_rows_that_built_and_matched(tmp_path):
+    """``more_models.py``'s table: a failed row shows its one-line error, a row over the numerics
+    tolerance is not counted as a pass, and the ratio summary covers the timed rows only."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "more_models.py"
+    spec = importlib.util.spec_from_file_location("more_models_script", path)
+    more = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(more)  # it imports scripts/zoo.py by path
+    ok = {"model": "a", "exporter": "dynamo", "ops": 5, "kernels": 2, "build_s": 1.0, "rel_err": 1e-6}
+    rows = [
+        {**ok, "ms_ort": 2.0, "ms_ours": 1.0},
+        {**ok, "model": "b", "rel_err": 2e-4, "ms_ort": 1.0, "ms_ours": 3.0},
+        {"model": "c", "exporter": "torchscript", "error": "killed (out of memory?): "},
+    ]
+    md = tmp_path / "more.md"
+    more.write_report(rows, md)
+    text = md.read_text()
+    assert "**1/3**" in text and "median 1.75, max 3.00" in text
+    assert "| c | torchscript | failed: `killed (out of memory?): ` |" in text

@@ -65,7 +65,7 @@ def _foldable(call, mod) -> bool:
 class _Replace(relax.PyExprMutator):
     def __init__(self, mod, values):
         super().__init__(mod)
-        self.values = values  # call -> folded numpy array
+        self.values = values  # call -> its folded relax constant
 
     def visit_call_(self, call):
         folded = self.values.get(call)
@@ -105,7 +105,12 @@ class FoldConstantCalls:
         folded = {}  # (function, its arguments' contents) -> the one constant for every such call
         for call in calls:
             arrays = [a.value.numpy() for a in call.args[1].fields]
-            key = (call.args[0].name_hint, *map(_fingerprint, arrays))
+            key = (
+                call.args[0].name_hint,
+                tuple(_static_shape(call.ty)),
+                call.ty.dtype,
+                *map(_fingerprint, arrays),
+            )
             if key not in folded:
                 out = tvm.runtime.empty(_static_shape(call.ty), call.ty.dtype)
                 lib[call.args[0].name_hint](*map(tvm.runtime.tensor, arrays), out)

@@ -15,7 +15,8 @@ The stages are found by their ``tvm_fusion.winograd`` block annotations (FuseTIR
   block, output-channel block); inside, per transform point, the channel loop around a register
   micro-kernel: ``rt`` tile columns (broadcast V, contiguous in memory) × ``vt`` output channels
   (vector loads of the packed U), accumulators in registers.
-* ``output`` (Y = Aᵀ M A) + the fused epilogue (bias, residual, relu, clip): inlined into one
+* ``output`` (Y = Aᵀ M A) + the fused epilogue (bias, residual, relu, clip, SiLU's ``x * sigmoid(x)``
+  and any other elementwise DAG with one result): inlined into one
   block computed right after each task's GEMM tiles (``reverse_compute_at``), so the α² × tile
   intermediate stays in a small per-task buffer, never in memory at full size; output channels
   vectorized, the m×m positions of a tile unrolled (their coefficients fold).
@@ -59,16 +60,12 @@ MIN_TASKS_PER_CORE = 4
 _WARNED: set[str] = set()
 
 
-def _warn_declined(rule, func, target) -> None:
+def _warn_declined(signature: str) -> None:
     """Say so (once per conv shape) when a kernel the Winograd legalization wrote is not one this
     rule can schedule (an epilogue it cannot take, a symbolic size): the next rules compute it
     correctly, but with the weight transform at every call, ~25x slower (EfficientNetV2's SiLU
-    epilogue was such a case until the rule took DAG epilogues)."""
-    opened = rule.staged(func, target, STAGE)
-    if opened is None or "gemm" not in opened[1]:
-        return
-    sch, stages = opened
-    signature = str(sch.get(stages["gemm"]).annotations.get(SIGNATURE, "?"))
+    epilogue was such a case until the rule took DAG epilogues). Once per process: a second model
+    with the same declined conv shape is not reported again."""
     if signature not in _WARNED:
         _WARNED.add(signature)
         logger.warning(
@@ -118,18 +115,24 @@ class Winograd(CpuRule):
         self.knobs = dict(knobs or {})
         self.last_knobs: Knobs | None = None
 
-    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        sch = self._apply(func, target, tunable)
-        if sch is None:
-            _warn_declined(self, func, target)
-        return sch
-
     @safe_rule
-    def _apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         opened = self.staged(func, target, STAGE)
-        if opened is None:
-            return None
+        if opened is None or "gemm" not in opened[1]:
+            return None  # not a kernel the Winograd legalization wrote
         sch, stages = opened
+        signature = str(sch.get(stages["gemm"]).annotations.get(SIGNATURE, "?"))
+        try:
+            scheduled = self._schedule(sch, stages, func, target, tunable)
+        except Exception as err:  # pylint: disable=broad-except
+            logger.debug("Winograd did not apply: %s", err)
+            scheduled = None
+        if scheduled is None:
+            _warn_declined(signature)
+        return scheduled
+
+    def _schedule(self, sch, stages, func, target, tunable):
+        """The schedule of a Winograd kernel (module docstring), or None where it cannot apply."""
         if set(stages) - {"input_rows"} != {"weight", "pad", "input", "gemm", "output"}:
             return None
         knobs = self.last_knobs = Knobs(self.knobs, tunable)

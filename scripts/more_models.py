@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Models outside the zoo: more torchvision / Hugging Face models, each through both exporters.
+
+The zoo (``scripts/zoo.py``) is the issue's fixed list; this is the check "does it also work on a
+model nobody tuned it for". Same rules: random weights (torchvision ``weights=None``, BN statistics
+calibrated; Hugging Face models from a ``Config``, smaller than the published ones for the decoder
+LLMs), batch 1, 224x224 images (inception_v3: 299x299) or 128 tokens (CLIP's text model: 77).
+Needs the ``zoo`` extra. Each model and exporter runs in a child process (a crash or an
+out-of-memory kill costs one row):
+
+    python scripts/more_models.py                       # all, both exporters -> docs/more_models.md
+    python scripts/more_models.py --models llama,swin_t --exporters dynamo
+
+Each row: export, llvm build, max |ours - ORT| / max |ORT|, then ours and ORT timed interleaved in
+one process (``zoo._interleaved_ms``), both with the target's cores. Exports are cached under
+``--cache`` (default: $TVM_FUSION_MORE or /work/zoo/more) as ``<model>.<exporter>.onnx``: delete
+a file after changing its model's config. Rows go to ``docs/more_models.json`` as they finish;
+``--report`` rewrites the table from it (``--note`` adds a sentence about the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _load_zoo():
+    """scripts/zoo.py (exporters, model inputs, interleaved timing), imported by its path."""
+    spec = importlib.util.spec_from_file_location("tvm_fusion_zoo_script", Path(__file__).with_name("zoo.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+zoo = _load_zoo()
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CACHE = Path(os.environ.get("TVM_FUSION_MORE", "/work/zoo/more"))
+ROW = "ROW "  # the child's result line: ROW <json>
+VISION = [
+    "googlenet",
+    "inception_v3",
+    "mnasnet1_0",
+    "mobilenet_v3_large",
+    "regnet_x_400mf",
+    "squeezenet1_0",
+    "alexnet",
+    "resnext50_32x4d",
+    "efficientnet_v2_s",
+    "swin_t",
+    "maxvit_t",
+    "vit_b_32",
+]
+_DECODER = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=1376)
+_LLM = dict(_DECODER, vocab_size=32000, max_position_embeddings=512)
+TEXT = {  # name -> (transformers model class, config class, config arguments)
+    "llama": ("LlamaModel", "LlamaConfig", dict(_LLM, num_key_value_heads=2)),
+    "qwen2": ("Qwen2Model", "Qwen2Config", dict(_LLM, num_key_value_heads=2)),
+    "mistral": ("MistralModel", "MistralConfig", dict(_LLM, num_key_value_heads=2)),
+    "phi": ("PhiModel", "PhiConfig", _LLM),
+    "albert": (
+        "AlbertModel",
+        "AlbertConfig",
+        dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072),
+    ),
+    "electra": ("ElectraModel", "ElectraConfig", {}),
+    "xlm_roberta": ("XLMRobertaModel", "XLMRobertaConfig", dict(max_position_embeddings=514, pad_token_id=1)),
+    "deberta_v2": (
+        "DebertaV2Model",
+        "DebertaV2Config",
+        dict(hidden_size=384, num_hidden_layers=4, num_attention_heads=6, intermediate_size=1536),
+    ),
+    "mpnet": ("MPNetModel", "MPNetConfig", {}),
+    "clip_text": ("CLIPTextModel", "CLIPTextConfig", {}),
+    "mobilebert": ("MobileBertModel", "MobileBertConfig", {}),
+}
+MODELS = VISION + list(TEXT)
+
+
+def torch_model(name: str):
+    """``(module in eval mode, example inputs, input names)`` with seeded random weights."""
+    import torch
+
+    torch.manual_seed(0)
+    if name in VISION:
+        import torchvision
+
+        kwargs = {"aux_logits": False, "init_weights": True} if name in ("googlenet", "inception_v3") else {}
+        model = getattr(torchvision.models, name)(weights=None, **kwargs).eval()
+        zoo._no_zero_layers(model)
+        zoo._calibrate_batch_norm(model)
+        size = 299 if name == "inception_v3" else 224
+        return model, (torch.randn(1, 3, size, size),), ["input"]
+    import transformers
+
+    model_class, config_class, arguments = TEXT[name]
+    config = getattr(transformers, config_class)(**arguments)
+    inner = getattr(transformers, model_class)(config).eval()
+    extra = {"use_cache": False} if "use_cache" in config.to_dict() else {}
+
+    class LastHidden(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+
+    seq = 77 if name == "clip_text" else zoo.SEQ
+    ids = torch.randint(0, 1000, (1, seq), dtype=torch.int64)
+    mask = torch.ones(1, seq, dtype=torch.int64)
+    return LastHidden(inner).eval(), (ids, mask), ["input_ids", "attention_mask"]
+
+
+def check_one(name: str, exporter: str, cache: Path, runs: int) -> dict:
+    """Export (cached), build, compare and time one model; the row as a dict."""
+    import onnx
+    import tvm
+
+    from tvm_fusion import build
+    from tvm_fusion.benchmark import ort_variant
+    from tvm_fusion.targets import llvm_target
+
+    row = {"model": name, "exporter": exporter}
+    path = cache / f"{name}.{exporter}.onnx"
+    if not path.exists():  # written whole or not at all: a reader never sees half a file
+        cache.mkdir(parents=True, exist_ok=True)
+        model, args, input_names = torch_model(name)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".onnx", dir=cache)
+        os.close(fd)
+        try:
+            zoo._torch_export(model, args, input_names, exporter, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    model = onnx.load(str(path))
+    feeds = zoo.feeds_for(model)
+    target = llvm_target()
+    row["threads"] = int(target.attrs["num-cores"])  # ORT's and ours (TVM_NUM_THREADS: all cores)
+    ort = ort_variant(model, feeds, row["threads"])
+    reference = np.asarray(ort.output)
+    del model
+    start = time.perf_counter()
+    result = build(str(path), target, name=f"{name}.{exporter}", tuning_logs=None)
+    row.update(
+        build_s=round(time.perf_counter() - start, 1), ops=result.summary.ops, kernels=result.summary.kernels
+    )
+    vm = tvm.relax.VirtualMachine(result.executable, tvm.cpu())
+    args = [tvm.runtime.tensor(v) for v in feeds.values()]
+    out = vm["main"](*args)
+    out = (out if isinstance(out, tvm.runtime.Tensor) else out[0]).numpy()
+    if out.shape != reference.shape:
+        raise RuntimeError(f"output shape {list(out.shape)}, ONNX Runtime's {list(reference.shape)}")
+    if not np.any(reference):
+        raise RuntimeError("ONNX Runtime's output is all zeros: the comparison would check nothing")
+    row["rel_err"] = float(np.max(np.abs(out - reference)) / np.max(np.abs(reference)))
+    if runs:
+        row["ms_ort"], row["ms_ours"] = zoo._interleaved_ms([ort.run, lambda: vm["main"](*args)], runs)
+    return row
+
+
+def run_child(name: str, exporter: str, args) -> dict:
+    command = [sys.executable, __file__, "--one", name, exporter, "--cache", str(args.cache)]
+    command += ["--runs", str(args.runs)]
+    try:
+        proc = subprocess.run(command, timeout=args.timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return {"model": name, "exporter": exporter, "error": f"timed out after {args.timeout} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(ROW):
+            try:
+                return json.loads(line[len(ROW) :])
+            except json.JSONDecodeError:
+                break
+    tail = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln]
+    reason = "killed (out of memory?)" if proc.returncode in (-9, 137) else f"exit {proc.returncode}"
+    return {"model": name, "exporter": exporter, "error": f"{reason}: {tail[-1][:300] if tail else ''}"}
+
+
+def write_report(rows: list[dict], md: Path, note: str = "") -> None:
+    ratios = [r["ms_ours"] / r["ms_ort"] for r in rows if r.get("ms_ours") and r.get("ms_ort")]
+    ok = sum(1 for r in rows if "error" not in r and r.get("rel_err", 1) <= zoo.REL_TOL)
+    threads = next((r["threads"] for r in rows if r.get("threads")), None)
+    lines = [
+        "# Models outside the zoo",
+        "",
+        "Written by `scripts/more_models.py`: torchvision and Hugging Face models that are not in the "
+        "issue's zoo list, exported with random weights by both torch exporters, built by tvm_fusion "
+        "for this CPU (llvm, untuned) and checked against ONNX Runtime; ours and ORT timed side by side "
+        f"in one process, interleaved ({threads or 'all'} threads each). The decoder LLMs use small configs "
+        f"(hidden 512, 4 layers, 8 heads, 2 key/value heads).{(' ' + note) if note else ''}",
+        "",
+        f"**Summary:** llvm build + numerics within {zoo.REL_TOL:g} relative: **{ok}/{len(rows)}**"
+        + (f"; × ORT median {np.median(ratios):.2f}, max {max(ratios):.2f}." if ratios else "."),
+        "",
+        "| model | exporter | ops → kernels | build s | max rel err | ms ORT | ms ours | × ORT |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['exporter']} | failed: `{r['error']}` | | | | | |")
+            continue
+        ratio = r["ms_ours"] / r["ms_ort"] if r.get("ms_ours") and r.get("ms_ort") else None
+        lines.append(
+            f"| {r['model']} | {r['exporter']} | {r['ops']} → {r['kernels']} | {r['build_s']:.1f} | "
+            f"{r['rel_err']:.1e} | {zoo._fmt(r.get('ms_ort'), '.2f')} | {zoo._fmt(r.get('ms_ours'), '.2f')} | "
+            f"{zoo._fmt(ratio, '.2f')} |"
+        )
+    md.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", help=f"comma-separated subset of: {', '.join(MODELS)}")
+    parser.add_argument("--exporters", help="comma-separated subset of: torchscript,dynamo")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--runs", type=int, default=30, help="timed runs of each side (0: no timing)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per model and exporter")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "more_models.md")
+    parser.add_argument("--report", action="store_true", help="only rewrite the table from the .json")
+    parser.add_argument("--note", default="", help="a sentence for the report's header (machine load ...)")
+    parser.add_argument("--one", nargs=2, metavar=("MODEL", "EXPORTER"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        try:
+            row = check_one(*args.one, args.cache, args.runs)
+        except Exception as err:  # one line for the table
+            row = {"model": args.one[0], "exporter": args.one[1], "error": zoo._one_line(err)}
+        print(ROW + json.dumps(row), flush=True)
+        return 0
+    results = args.out.with_suffix(".json")
+    if not args.report:
+        rows = []
+        for name in zoo._select(args.models, MODELS, "model"):
+            for exporter in zoo._select(args.exporters, zoo.EXPORTERS, "exporter"):
+                rows.append(run_child(name, exporter, args))
+                print(json.dumps(rows[-1]), flush=True)
+                tmp = results.with_suffix(".tmp")  # after every row: a stopped run keeps what it measured
+                tmp.write_text(json.dumps(rows, indent=1) + "\n")
+                os.replace(tmp, results)
+    write_report(json.loads(results.read_text()), args.out, args.note)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
