@@ -311,14 +311,7 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
             )
             vm = tvm.relax.VirtualMachine(result.executable, tvm.cpu())
             args = [tvm.runtime.tensor(v) for v in feeds.values()]
-            ours = vm["main"](*args)
-            ours = (ours if isinstance(ours, tvm.runtime.Tensor) else ours[0]).numpy()
-            if ours.shape != reference.shape:
-                raise RuntimeError(f"output shape {list(ours.shape)}, ONNX Runtime's {list(reference.shape)}")
-            if not np.any(reference):
-                raise RuntimeError("ONNX Runtime's output is all zeros: the comparison would check nothing")
-            rel = float(np.max(np.abs(ours - reference)) / float(np.max(np.abs(reference))))
-            save(rel_err=rel)
+            save(rel_err=relative_error(vm, args, reference))
             if timing:
                 ms_ort, ms_ours = _interleaved_ms([ort.run, lambda: vm["main"](*args)], runs)
                 top = kernel_times(vm, args, repeat=3)[:5]
@@ -344,6 +337,20 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
             )
         except Exception as err:
             save(cuda_error=_one_line(err))
+
+
+def relative_error(vm, args, reference: np.ndarray) -> float:
+    """``max |ours - reference| / max |reference|`` of ``vm["main"](*args)``'s (first) output;
+    raises when the shapes differ or the reference is all zeros (it would check nothing)."""
+    import tvm
+
+    ours = vm["main"](*args)
+    ours = (ours if isinstance(ours, tvm.runtime.Tensor) else ours[0]).numpy()
+    if ours.shape != reference.shape:
+        raise RuntimeError(f"output shape {list(ours.shape)}, ONNX Runtime's {list(reference.shape)}")
+    if not np.any(reference):
+        raise RuntimeError("ONNX Runtime's output is all zeros: the comparison would check nothing")
+    return float(np.max(np.abs(ours - reference)) / float(np.max(np.abs(reference))))
 
 
 BLOCK_RUNS = 5  # runs of one function in a row
