@@ -181,6 +181,18 @@ def run_child(name: str, exporter: str, args) -> dict:
     return {"model": name, "exporter": exporter, "error": f"{reason}: {tail[-1][:300] if tail else ''}"}
 
 
+def store_row(results: Path, row: dict) -> None:
+    """Put ``row`` into the results file, replacing the same model and exporter's earlier row
+    (a run of a few models keeps the others' rows), in the table's order; written atomically."""
+    rows = json.loads(results.read_text()) if results.exists() else []
+    rows = [r for r in rows if (r["model"], r["exporter"]) != (row["model"], row["exporter"])] + [row]
+    known = MODELS + [r["model"] for r in rows if r["model"] not in MODELS]
+    rows.sort(key=lambda r: (known.index(r["model"]), zoo.EXPORTERS.index(r["exporter"])))
+    tmp = results.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows, indent=1) + "\n")
+    os.replace(tmp, results)
+
+
 def write_report(rows: list[dict], md: Path, note: str = "") -> None:
     ratios = [r["ms_ours"] / r["ms_ort"] for r in rows if r.get("ms_ours") and r.get("ms_ort")]
     ok = sum(1 for r in rows if "error" not in r and r.get("rel_err", 1) <= zoo.REL_TOL)
@@ -233,15 +245,14 @@ def main(argv=None) -> int:
         print(ROW + json.dumps(row), flush=True)
         return 0
     results = args.out.with_suffix(".json")
+    if args.report and not results.exists():
+        parser.error(f"{results}: no results yet (run without --report first)")
     if not args.report:
-        rows = []
         for name in zoo._select(args.models, MODELS, "model"):
             for exporter in zoo._select(args.exporters, zoo.EXPORTERS, "exporter"):
-                rows.append(run_child(name, exporter, args))
-                print(json.dumps(rows[-1]), flush=True)
-                tmp = results.with_suffix(".tmp")  # after every row: a stopped run keeps what it measured
-                tmp.write_text(json.dumps(rows, indent=1) + "\n")
-                os.replace(tmp, results)
+                row = run_child(name, exporter, args)
+                print(json.dumps(row), flush=True)
+                store_row(results, row)  # after every row: a stopped run keeps what it measured
     write_report(json.loads(results.read_text()), args.out, args.note)
     print(f"wrote {args.out}")
     return 0

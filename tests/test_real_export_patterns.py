@@ -9,6 +9,7 @@ with ONNX Runtime. The tests marked ``zoo`` run real exports (scripts/zoo.py) wh
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -411,3 +412,10 @@ def test_more_models_report_counts_only_rows_that_built_and_matched(tmp_path):
     text = md.read_text()
     assert "**1/3**" in text and "median 1.75, max 3.00" in text
     assert "| c | torchscript | failed: `killed (out of memory?): ` |" in text
+    # the results file: a re-run row replaces its earlier one, the others stay, in the table's order
+    results = tmp_path / "more.json"
+    llama, swin = {**ok, "model": "llama"}, {**ok, "model": "swin_t"}
+    for row in (llama, swin, {**llama, "rel_err": 3e-6}):
+        more.store_row(results, row)
+    stored = json.loads(results.read_text())
+    assert [(r["model"], r["rel_err"]) for r in stored] == [("swin_t", 1e-6), ("llama", 3e-6)]
