@@ -105,14 +105,10 @@ class FoldConstantCalls:
         folded = {}  # (function, its arguments' contents) -> the one constant for every such call
         for call in calls:
             arrays = [a.value.numpy() for a in call.args[1].fields]
-            key = (
-                call.args[0].name_hint,
-                tuple(_static_shape(call.ty)),
-                call.ty.dtype,
-                *map(_fingerprint, arrays),
-            )
+            shape = _static_shape(call.ty)
+            key = (call.args[0].name_hint, tuple(shape), call.ty.dtype, *map(_fingerprint, arrays))
             if key not in folded:
-                out = tvm.runtime.empty(_static_shape(call.ty), call.ty.dtype)
+                out = tvm.runtime.empty(shape, call.ty.dtype)
                 lib[call.args[0].name_hint](*map(tvm.runtime.tensor, arrays), out)
                 folded[key] = relax.const(out.numpy())
             values[call] = folded[key]

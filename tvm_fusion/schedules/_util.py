@@ -208,12 +208,13 @@ try_primitive = _try
 
 
 def safe_rule(apply):
-    """Wrap a rule's apply so that any schedule error means 'not applicable' (the next rule runs)."""
+    """Wrap a rule's apply (or a method it schedules with) so that any schedule error means 'not
+    applicable': None, and the next rule runs."""
 
     @functools.wraps(apply)
-    def wrapper(self, func, target, tunable):
+    def wrapper(self, *args, **kwargs):
         try:
-            return apply(self, func, target, tunable)
+            return apply(self, *args, **kwargs)
         except Exception as err:  # pylint: disable=broad-except
             logger.debug("%s did not apply: %s", type(self).__name__, err)
             return None

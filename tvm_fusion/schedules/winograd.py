@@ -122,15 +122,12 @@ class Winograd(CpuRule):
             return None  # not a kernel the Winograd legalization wrote
         sch, stages = opened
         signature = str(sch.get(stages["gemm"]).annotations.get(SIGNATURE, "?"))
-        try:
-            scheduled = self._schedule(sch, stages, func, target, tunable)
-        except Exception as err:  # pylint: disable=broad-except
-            logger.debug("Winograd did not apply: %s", err)
-            scheduled = None
+        scheduled = self._schedule(sch, stages, func, target, tunable)
         if scheduled is None:
             _warn_declined(signature)
         return scheduled
 
+    @safe_rule
     def _schedule(self, sch, stages, func, target, tunable):
         """The schedule of a Winograd kernel (module docstring), or None where it cannot apply."""
         if set(stages) - {"input_rows"} != {"weight", "pad", "input", "gemm", "output"}:
