@@ -47,14 +47,16 @@ def _weight(name: str, *shape, seed: int = 0) -> onnx.TensorProto:
     return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
 
 
-def _run_ours(model, feeds, target="llvm") -> np.ndarray:
-    result = tvm_fusion.build(model, target, tuning_logs=None)
+def _run_ours(model, feeds, target="llvm", kernels: int | None = None, **options) -> np.ndarray:
+    result = tvm_fusion.build(model, target, tuning_logs=None, **options)
+    if kernels is not None:
+        assert result.summary.kernels == kernels
     vm = relax.VirtualMachine(result.executable, tvm.cpu())
     return vm["main"](*[tvm.runtime.tensor(v) for v in feeds.values()]).numpy()
 
 
-def _assert_matches_ort(model, feeds) -> None:
-    ours, reference = _run_ours(model, feeds), ort_run(model, feeds)
+def _assert_matches_ort(model, feeds, **options) -> None:
+    ours, reference = _run_ours(model, feeds, **options), ort_run(model, feeds)
     assert ours.shape == reference.shape
     rel = float(np.max(np.abs(ours - reference)) / np.max(np.abs(reference)))
     assert rel <= 1e-5, f"max rel err {rel:.2e} against ONNX Runtime"
@@ -201,6 +203,24 @@ def shufflenet_chunk(height="6", axis: int = 1) -> onnx.ModelProto:
     )
 
 
+def conv_unfold(channels_in: int, kernel: int) -> onnx.ModelProto:
+    """MobileViT's unfold into 2x2 patches: a conv, then ``Reshape [1, C, H, W] -> [C·H/2, 2,
+    W/2, 2]`` (torch's ``x.reshape(B·C·H/2, 2, W/2, 2)``), fused into the conv's kernel. The reshape
+    scatters a conv tile (several channels x one row) over rows far apart."""
+    channels_out, size = 24, 16
+    nodes = [
+        _const("patches", [channels_out * size // 2, 2, size // 2, 2], np.int64),
+        helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[kernel, kernel], pads=[kernel // 2] * 4),
+        helper.make_node("Reshape", ["c", "patches"], ["y"]),
+    ]
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels_in, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [channels_out * size // 2, 2, size // 2, 2])],
+        [_weight("w", channels_out, channels_in, kernel, kernel)],
+    )
+
+
 def image_feeds(height=6):
     return {"x": np.random.default_rng(2).standard_normal((1, 8, height, 6)).astype(np.float32)}
 
@@ -238,6 +258,19 @@ def test_constant_of_shape_converter_alone_handles_an_empty_shape():
 
 def test_shufflenet_chunk_pattern_matches_ort():
     _assert_matches_ort(shufflenet_chunk(), image_feeds())
+
+
+@pytest.mark.parametrize(
+    "channels_in, kernel",
+    [(16, 1), (16, 3), (3, 3)],
+    ids=["pointwise-contraction", "3x3-contraction", "rgb-stem-depthwise-rule"],
+)
+def test_a_reshape_that_scatters_the_conv_tile_matches_ort(channels_in, kernel):
+    """The rules computed such an epilogue per conv tile, over the box around the tile's image:
+    values of other tiles, not yet computed (MobileViT: relative error 1.3; NaN on some shapes).
+    Now it is computed apart; the conv and reshape stay one kernel."""
+    feeds = {"x": np.random.default_rng(4).standard_normal((1, channels_in, 16, 16)).astype(np.float32)}
+    _assert_matches_ort(conv_unfold(channels_in, kernel), feeds, kernels=1, conv_algorithms="direct")
 
 
 def test_shape_arithmetic_is_folded_into_a_static_slice():

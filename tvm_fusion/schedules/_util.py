@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 
+import tvm
 from tvm import DataType, s_tir, sym, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
@@ -20,6 +21,8 @@ logger = logging.getLogger("tvm_fusion.schedules")
 # SplitLayoutRewritePreproc lifts blocks carrying it into their own PrimFunc, so FoldConstant can
 # evaluate the packing at compile time when the weight is a relax.Constant.
 LAYOUT_REWRITE_PREPROC = "meta_schedule.layout_rewrite_preproc"
+
+get_sblock_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
 
 def vector_bits(target: Target) -> int:
@@ -139,6 +142,57 @@ def _is_one(expr) -> bool:
 def uses_var(expr, var) -> bool:
     """Whether expr mentions var."""
     return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
+
+
+def computed_within(sch: s_tir.Schedule, consumer, producer, loop) -> bool:
+    """Whether ``consumer``, computed under ``loop`` (after ``reverse_compute_at``), computes per
+    iteration at most as many points as ``producer`` writes there.
+
+    ``reverse_compute_at`` gives the consumer the box around the image of the producer's
+    iteration. For an elementwise epilogue that box is the tile itself; a reshape that scatters the
+    tile gets a larger box, whose extra points read values other iterations compute: wrong numbers
+    (MobileViT's unfold ``[144, 32, 32] -> [2304, 2, 16, 2]`` after a 1x1 conv tiled 8 channels x 1
+    row: 113 x 16 x 2 points per tile of 256, relative error 1.3). Such a consumer has to stay a
+    stage of its own."""
+    produced = _points_under(sch, producer, loop, spatial_only=True)
+    computed = _points_under(sch, consumer, loop)
+    return produced is not None and computed is not None and computed <= produced
+
+
+def reverse_compute_within(sch: s_tir.Schedule, consumer, producer, loop, preserve_unit_loops=False) -> bool:
+    """``reverse_compute_at(consumer, loop)`` if the consumer then computes within the producer's
+    iteration (:func:`computed_within`); else False, with ``sch`` untouched."""
+    probe = sch.copy()
+    if not try_primitive(probe.reverse_compute_at, consumer, loop, preserve_unit_loops):
+        return False
+    if not computed_within(probe, consumer, producer, loop):
+        return False
+    sch.reverse_compute_at(consumer, loop, preserve_unit_loops)
+    return True
+
+
+def _points_under(sch: s_tir.Schedule, block, loop, spatial_only: bool = False) -> int | None:
+    """Iterations of ``block``'s loops below ``loop`` (only those that bind a data-parallel iter,
+    with ``spatial_only``); None if ``loop`` is not around the block or a count is not static."""
+    loops = sch.get_loops(block)
+    at = next((i for i, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(loop))), None)
+    if at is None:
+        return None
+    stmt = sch.get(block)
+    spatial = [
+        value
+        for iv, value in zip(stmt.iter_vars, get_sblock_realize(sch, block).iter_values)
+        if iv.iter_type == tirx.IterVar.DataPar
+    ]
+    points = 1
+    for lp in loops[at + 1 :]:
+        if spatial_only and not any(uses_var(value, sch.get(lp).loop_var) for value in spatial):
+            continue
+        extent = int_extent(sch, lp)
+        if extent is None:
+            return None
+        points *= extent
+    return points
 
 
 def divisors_upto(n: int, limit: int) -> list[int]:

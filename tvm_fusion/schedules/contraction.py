@@ -52,6 +52,7 @@ from ._util import (
     access_class,
     bare_var_dim,
     divisors_upto,
+    get_sblock_realize,
     int_extent,
     last_dim_stride,
     linear_coeff,
@@ -59,6 +60,7 @@ from ._util import (
     num_cores,
     num_vector_registers,
     reachable_blocks,
+    reverse_compute_within,
     safe_rule,
     schedule_injective_block,
     try_primitive,
@@ -66,7 +68,7 @@ from ._util import (
     vector_bits,
     vector_lanes,
 )
-from .fallback import get_sblock_realize, schedule_nest
+from .fallback import schedule_nest
 from .knobs import Knobs
 from .plane import flatten_plane, inline_plain_copies
 
@@ -271,9 +273,7 @@ class Contraction(CpuRule):
             and not _expands(sch, main, consumers[0])
         ):
             epilogue = consumers[0]
-            if not _fits_tile(sch, epilogue, fused) or not try_primitive(
-                sch.reverse_compute_at, epilogue, fused
-            ):
+            if not reverse_compute_within(sch, epilogue, main, fused):
                 epilogue = None
         # This TVM allocates every "local" buffer through TVMBackendAllocWorkspace (no stack
         # alloca), once per tile. For long reductions that is noise and the "local" tile is the
@@ -792,19 +792,6 @@ def _row_tiles(extent: int, max_rows: int) -> list[int]:
     if RAGGED_ROWS and tiles[-1] < max_rows and extent > max_rows:
         tiles += [t for t in range(max(tiles[-1] + 1, max_rows // 2), max_rows + 1) if extent % t]
     return tiles
-
-
-def _fits_tile(sch, epilogue, loop) -> bool:
-    """Whether ``epilogue`` can be computed per tile: under ``loop`` it must cover exactly a box of
-    constant size. A reshape that splits the tiled axis across a tile boundary (192 columns as
-    3 x 64, tiles of 48) makes ``reverse_compute_at`` cover a loop-dependent, larger region, which
-    reads accumulators of other tiles: such an epilogue stays a stage of its own."""
-    probe = sch.copy()
-    if not try_primitive(probe.reverse_compute_at, epilogue, loop):
-        return False
-    loops = probe.get_loops(epilogue)
-    at = next(i for i, lp in enumerate(loops) if probe.get(lp).same_as(probe.get(loop)))
-    return all(int_extent(probe, lp) is not None for lp in loops[at + 1 :])
 
 
 def _lines_written(vt: int, rt: int, out_strided: bool, per_line: int) -> int:

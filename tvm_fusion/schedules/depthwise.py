@@ -34,6 +34,7 @@ from ._util import (
     elementwise_epilogue,
     int_extent,
     num_vector_registers,
+    reverse_compute_within,
     safe_rule,
     try_primitive,
     vector_lanes,
@@ -134,7 +135,8 @@ class Depthwise(CpuRule):
         # the epilogue right after each vector of columns (accumulators still in registers); when
         # the width was padded, once per block of channels over whole rows instead: a cropped
         # last vector would need a predicate, which keeps TVM from vectorizing
-        sch.reverse_compute_at(final, k_o if "crop" in stages else x_o, preserve_unit_loops=True)
+        if not reverse_compute_within(sch, final, conv, k_o if "crop" in stages else x_o, True):
+            return None  # a reshape that scatters the tile: another rule computes it apart
         f_k, f_y, f_x = sch.get_loops(final)[-3:]
         sch.unroll(f_k)
         sch.unroll(f_y)

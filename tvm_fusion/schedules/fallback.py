@@ -8,14 +8,11 @@ across threads.
 
 from __future__ import annotations
 
-import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
-from ._util import int_extent, is_cpu, num_cores, schedule_injective_block, try_primitive
-
-get_sblock_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
+from ._util import get_sblock_realize, int_extent, is_cpu, num_cores, schedule_injective_block, try_primitive
 
 
 class ParallelFallback(ScheduleRule):

@@ -15,7 +15,14 @@ import math
 from tvm import tirx
 from tvm.target import Target
 
-from ._util import CpuRule, safe_rule, schedule_injective_block, try_primitive, uses_var
+from ._util import (
+    CpuRule,
+    reverse_compute_within,
+    safe_rule,
+    schedule_injective_block,
+    try_primitive,
+    uses_var,
+)
 
 MAX_WINDOW = 64  # reduction steps per output: pooling windows, not global pools or GEMMs
 
@@ -44,7 +51,7 @@ class WindowReduction(CpuRule):
         init = sch.decompose_reduction(main, sch.get_loops(main)[-n_reduce])
         handled |= {sch.get(init).name_hint, sch.get(main).name_hint}  # main is now "<name>_update"
         for cons in consumers:  # an epilogue (avg pool's divide, an activation): per row too
-            if try_primitive(sch.reverse_compute_at, cons, rows, True):
+            if reverse_compute_within(sch, cons, main, rows, True):
                 handled.add(sch.get(cons).name_hint)
         for blk in sch.get_child_blocks(sch.get_sblock("root")):
             if sch.get(blk).name_hint not in handled:

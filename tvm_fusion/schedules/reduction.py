@@ -22,6 +22,7 @@ from ._util import (
     is_cpu,
     last_dim_stride,
     logger,
+    reverse_compute_within,
     safe_rule,
     try_primitive,
     vector_lanes,
@@ -147,7 +148,7 @@ class PlainReduction(CpuRule):
         consumers = sch.get_consumers(red)
         for blk in consumers:
             if not try_primitive(sch.reverse_compute_inline, blk):
-                try_primitive(sch.reverse_compute_at, blk, rows)
+                reverse_compute_within(sch, blk, red, rows)
         return sch
 
 
