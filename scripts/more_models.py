@@ -83,7 +83,35 @@ TEXT = {  # name -> (transformers model class, config class, config arguments)
     "clip_text": ("CLIPTextModel", "CLIPTextConfig", {}),
     "mobilebert": ("MobileBertModel", "MobileBertConfig", {}),
 }
-MODELS = VISION + list(TEXT)
+# Other tasks and inputs: segmentation heads (dict outputs, bilinear Resize, dilated convs), video
+# (Conv3d; r2plus1d_18's (2+1)D factorisation), speech (Conv1d front ends, GroupNorm), Hugging Face
+# vision models (MobileViT's unfold / fold into patches, SegFormer, ConvNeXt V2's GRN) and an
+# encoder-decoder (BART: cross-attention, causal mask). name -> (builder, example input shapes)
+SEGMENTATION = ["lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large", "fcn_resnet50"]
+VIDEO = ["r3d_18", "r2plus1d_18"]
+HF_OTHER = {  # name -> (model class, config class, config arguments, output attribute, input shape)
+    "whisper_encoder": (
+        "WhisperModel",
+        "WhisperConfig",
+        dict(
+            d_model=384, encoder_layers=4, encoder_attention_heads=6, encoder_ffn_dim=1536, decoder_layers=1
+        ),
+        "last_hidden_state",
+        (1, 80, 3000),  # 30 s of 80-bin log-mel frames
+    ),
+    "wav2vec2": (
+        "Wav2Vec2Model",
+        "Wav2Vec2Config",
+        dict(hidden_size=384, num_hidden_layers=4, num_attention_heads=6, intermediate_size=1536),
+        "last_hidden_state",
+        (1, 16000),  # 1 s of 16 kHz audio
+    ),
+    "segformer": ("SegformerForSemanticSegmentation", "SegformerConfig", {}, "logits", (1, 3, 224, 224)),
+    "mobilevit": ("MobileViTModel", "MobileViTConfig", {}, "last_hidden_state", (1, 3, 256, 256)),
+    "convnextv2": ("ConvNextV2Model", "ConvNextV2Config", {}, "pooler_output", (1, 3, 224, 224)),
+}
+SEQ2SEQ = ["bart"]
+MODELS = VISION + list(TEXT) + SEGMENTATION + VIDEO + list(HF_OTHER) + SEQ2SEQ
 
 
 def torch_model(name: str):
@@ -100,7 +128,38 @@ def torch_model(name: str):
         zoo._calibrate_batch_norm(model)
         size = 299 if name == "inception_v3" else 224
         return model, (torch.randn(1, 3, size, size),), ["input"]
+    if name in SEGMENTATION or name in VIDEO:
+        import torchvision
+
+        if name in VIDEO:
+            model, shape = getattr(torchvision.models.video, name)(weights=None), (1, 3, 8, 112, 112)
+        else:  # the "out" head's logits (the aux head is off)
+            model = getattr(torchvision.models.segmentation, name)(weights=None, weights_backbone=None)
+            model, shape = _output(model, key="out"), (1, 3, 224, 224)
+        zoo._no_zero_layers(model)
+        _calibrate(model, shape)
+        return model.eval(), (torch.randn(*shape),), ["input"]
     import transformers
+
+    if name in HF_OTHER:
+        model_class, config_class, arguments, output, shape = HF_OTHER[name]
+        inner = getattr(transformers, model_class)(getattr(transformers, config_class)(**arguments))
+        if name == "whisper_encoder":
+            inner = inner.get_encoder()
+        model = _output(inner.eval(), attribute=output)
+        if len(shape) == 4:
+            _calibrate(model, shape)  # their BatchNorms (MobileViT's output was ~1e-40 without)
+        input_name = {2: "input_values", 3: "input_features"}.get(len(shape), "pixel_values")
+        return model.eval(), (torch.randn(*shape),), [input_name]
+    if name in SEQ2SEQ:
+        config = transformers.BartConfig(
+            d_model=512, encoder_layers=3, decoder_layers=3, encoder_ffn_dim=2048, decoder_ffn_dim=2048
+        )
+        model = _seq2seq(transformers.BartModel(config).eval())
+        ids = torch.randint(0, 1000, (1, zoo.SEQ), dtype=torch.int64)
+        mask = torch.ones(1, zoo.SEQ, dtype=torch.int64)
+        decoder_ids = torch.randint(0, 1000, (1, 32), dtype=torch.int64)
+        return model.eval(), (ids, mask, decoder_ids), ["input_ids", "attention_mask", "decoder_input_ids"]
 
     model_class, config_class, arguments = TEXT[name]
     config = getattr(transformers, config_class)(**arguments)
@@ -119,6 +178,59 @@ def torch_model(name: str):
     ids = torch.randint(0, 1000, (1, seq), dtype=torch.int64)
     mask = torch.ones(1, seq, dtype=torch.int64)
     return LastHidden(inner).eval(), (ids, mask), ["input_ids", "attention_mask"]
+
+
+def _calibrate(model, shape) -> None:
+    """BatchNorm running statistics from random batches of ``shape`` (``zoo._calibrate_batch_norm``
+    does it for 224x224 images only)."""
+    import torch
+
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None  # a plain average over the batches
+    if norms:
+        model.train()
+        with torch.no_grad():
+            model(torch.randn(4, *shape[1:]))
+    model.eval()
+
+
+def _output(model, key=None, attribute=None):
+    """``model`` returning one tensor of its output: a dict entry (torchvision segmentation) or an
+    attribute (a Hugging Face ``ModelOutput``)."""
+    import torch
+
+    class Output(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            out = self.model(x)
+            return out[key] if key is not None else getattr(out, attribute)
+
+    return Output()
+
+
+def _seq2seq(model):
+    """An encoder-decoder's last decoder hidden state, from token ids, mask and decoder ids."""
+    import torch
+
+    class Seq2Seq(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, decoder_input_ids):
+            return self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                decoder_input_ids=decoder_input_ids,
+                use_cache=False,
+            ).last_hidden_state
+
+    return Seq2Seq()
 
 
 def check_one(name: str, exporter: str, cache: Path, runs: int) -> dict:

@@ -341,16 +341,22 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
 
 def relative_error(vm, args, reference: np.ndarray) -> float:
     """``max |ours - reference| / max |reference|`` of ``vm["main"](*args)``'s (first) output;
-    raises when the shapes differ or the reference is all zeros (it would check nothing)."""
+    raises when the shapes differ or the reference is all zeros or subnormal (it would check
+    nothing: HF MobileViT with uncalibrated BatchNorms ends at ~1e-40, where any two fp32
+    computations differ by 10-100 %)."""
     import tvm
 
     ours = vm["main"](*args)
     ours = (ours if isinstance(ours, tvm.runtime.Tensor) else ours[0]).numpy()
     if ours.shape != reference.shape:
         raise RuntimeError(f"output shape {list(ours.shape)}, ONNX Runtime's {list(reference.shape)}")
-    if not np.any(reference):
-        raise RuntimeError("ONNX Runtime's output is all zeros: the comparison would check nothing")
-    return float(np.max(np.abs(ours - reference)) / float(np.max(np.abs(reference))))
+    scale = float(np.max(np.abs(reference)))
+    if scale < np.finfo(np.float32).tiny:
+        raise RuntimeError(
+            f"ONNX Runtime's output is {'all zeros' if scale == 0 else f'subnormal (max |value| {scale:.1e})'}: "
+            "the comparison would check nothing"
+        )
+    return float(np.max(np.abs(ours - reference)) / scale)
 
 
 BLOCK_RUNS = 5  # runs of one function in a row

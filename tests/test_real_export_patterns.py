@@ -452,3 +452,16 @@ def test_more_models_report_counts_only_rows_that_built_and_matched(tmp_path):
         more.store_row(results, row)
     stored = json.loads(results.read_text())
     assert [(r["model"], r["rel_err"]) for r in stored] == [("swin_t", 1e-6), ("llama", 3e-6)]
+
+
+@pytest.mark.parametrize("scale, message", [(0.0, "all zeros"), (1e-40, "subnormal")])
+def test_zoo_comparison_refuses_a_reference_that_checks_nothing(scale, message):
+    """A network whose activations vanished (HF MobileViT with uncalibrated BatchNorms: ~1e-40)
+    differs by 10-100 % between any two fp32 runs; the scripts must say so, not report an error."""
+    zoo = _zoo_script()
+    reference = np.full((2, 3), scale, np.float32)
+    vm = {"main": lambda: tvm.runtime.tensor(reference)}
+    with pytest.raises(RuntimeError, match=message):
+        zoo.relative_error(vm, [], reference)
+    normal = reference + 1.0
+    assert zoo.relative_error({"main": lambda: tvm.runtime.tensor(normal)}, [], normal) == 0.0
