@@ -97,6 +97,27 @@ def test_cli_build_prints_summary(tmp_path, capsys):
     assert out.exists() and (tmp_path / "net.so.json").exists()
 
 
+def test_cli_build_conv_algorithm_direct_turns_winograd_off(tmp_path, monkeypatch):
+    """resnet_block_net's 32->32 3x3 conv at 16x16 is a Winograd kernel by default."""
+    import tvm_fusion.cli as cli
+
+    src, built = tmp_path / "net.onnx", []
+    onnx.save(models.resnet_block_net(), src)
+    monkeypatch.setattr(cli, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    for flag in ([], ["--conv-algorithm", "direct"]):
+        out = tmp_path / f"net{len(built)}.so"
+        assert main(["build", str(src), "-o", str(out), "--no-tuning-logs", *flag]) == 0
+    winograd = [
+        sum(
+            "winograd" in f.script()
+            for _, f in r.lowered.functions_items()
+            if isinstance(f, tvm.tirx.PrimFunc)
+        )
+        for r in built
+    ]
+    assert winograd[0] > 0 and winograd[1] == 0
+
+
 def test_cli_explain_names_groups(capsys):
     assert main(["explain", "transformer_block"]) == 0
     text = capsys.readouterr().out

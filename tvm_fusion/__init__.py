@@ -44,6 +44,7 @@ from .passes import (  # noqa: E402
     PadConvChannels,
     RewriteLayout,
     SimplifyPoolCeilMode,
+    TrimPaddingTaps,
     explain,
 )
 from .pipeline import describe, pipeline, pipeline_passes  # noqa: E402
@@ -69,6 +70,7 @@ __all__ = [
     "Roofline",
     "SimplifyPoolCeilMode",
     "TargetError",
+    "TrimPaddingTaps",
     "TuningRecordError",
     "TvmFusionError",
     "UnsupportedOpError",

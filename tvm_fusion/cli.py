@@ -92,6 +92,7 @@ def cmd_build(args) -> int:
         shape_buckets=buckets,
         device_key=args.device_key,
         **_pipeline_options(args),
+        **({} if args.conv_algorithm == "auto" else {"conv_algorithms": args.conv_algorithm}),
     )
     out = Path(args.output or f"{imported.name}.{target.kind.name}.so")
     result.export(out)
@@ -217,6 +218,13 @@ def make_parser() -> argparse.ArgumentParser:
         "--device-key",
         default=None,
         help="use the records tuned on the RPC servers under this key (tune --rpc host:port:KEY)",
+    )
+    b.add_argument(
+        "--conv-algorithm",
+        choices=["auto", "direct", "winograd2", "winograd4"],
+        default="auto",
+        help="3x3 stride-1 convs on CPU: auto (tuning's choice, else the cost rule) or one for all; "
+        "direct has the smallest rounding error (F(4)'s is 2-4x the direct conv's)",
     )
     b.add_argument(
         "--shape-bucket",

@@ -9,6 +9,8 @@ Order, and why:
 2. ``CanonicalizeActivations``: exporters spell GELU/SiLU/HardSwish as arithmetic; one op fuses
    as an epilogue, five ops with a diamond do not. ``SimplifyPoolCeilMode``: a ``ceil_mode`` pool
    whose windows rounding up does not change loses the flag (and TOPI's padded copy of its input).
+   ``TrimPaddingTaps``: conv taps that read only zero padding (DeepLabV3's ASPP, dilation 24 and 36
+   on a 14x14 map) are dropped from the kernel, with the padding shrunk to match.
    ``SimplifyUnitPermutes``: a transpose of size-1 axes only (ViT's seq-first attention at batch 1)
    is a free reshape, moved in front of a layer norm so that the norm still fuses into its GEMM.
 3. ``HorizontalFuse``: sibling GEMMs/convs over one input become one (Q/K/V -> one GEMM + split).
@@ -54,6 +56,7 @@ from .passes import (
     SimplifyPoolCeilMode,
     SimplifyUnitPermutes,
     StackAllocateLoopBuffers,
+    TrimPaddingTaps,
 )
 from .policy import FusionPolicy
 from .schedules import LowerAttention, default_schedule_passes, mark_prepackable
@@ -115,7 +118,7 @@ def pipeline_stages(
     rewrite: list[tvm.transform.Pass] = [BindUnknownShapes()]
     if fold_batch_norm:
         rewrite += [FoldBatchNorm(), relax.transform.FoldConstant()]
-    rewrite += [CanonicalizeActivations(), SimplifyPoolCeilMode(), SimplifyUnitPermutes()]
+    rewrite += [CanonicalizeActivations(), SimplifyPoolCeilMode(), TrimPaddingTaps(), SimplifyUnitPermutes()]
     if horizontal:
         rewrite.append(HorizontalFuse())
     if attention and fusion:

@@ -13,6 +13,7 @@ from .rewrite_layout import RewriteLayout, count_layout_transforms
 from .simplify_pool_ceil_mode import SimplifyPoolCeilMode
 from .simplify_unit_permutes import SimplifyUnitPermutes
 from .stack_allocate_loop_buffers import StackAllocateLoopBuffers
+from .trim_padding_taps import TrimPaddingTaps
 
 __all__ = [
     "ApplyFusionPolicy",
@@ -28,6 +29,7 @@ __all__ = [
     "SimplifyPoolCeilMode",
     "SimplifyUnitPermutes",
     "StackAllocateLoopBuffers",
+    "TrimPaddingTaps",
     "attention_decisions",
     "count_layout_transforms",
     "explain",
