@@ -86,7 +86,7 @@ TEXT = {  # name -> (transformers model class, config class, config arguments)
 # Other tasks and inputs: segmentation heads (dict outputs, bilinear Resize, dilated convs), video
 # (Conv3d; r2plus1d_18's (2+1)D factorisation), speech (Conv1d front ends, GroupNorm), Hugging Face
 # vision models (MobileViT's unfold / fold into patches, SegFormer, ConvNeXt V2's GRN) and an
-# encoder-decoder (BART: cross-attention, causal mask). name -> (builder, example input shapes)
+# encoder-decoder (BART: cross-attention, causal mask)
 SEGMENTATION = ["lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large", "fcn_resnet50"]
 VIDEO = ["r3d_18", "r2plus1d_18"]
 HF_OTHER = {  # name -> (model class, config class, config arguments, output attribute, input shape)

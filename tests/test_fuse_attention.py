@@ -26,6 +26,7 @@ from tvm_fusion.schedules.attention import (
     cpu_attention_kernel,
     cpu_tiles,
     cuda_attention_kernel,
+    pv_vector_width,
     tile_work,
 )
 from tvm_fusion.targets import llvm_target
@@ -367,6 +368,10 @@ def test_cpu_kernel_vectors_fit_one_register_for_any_head_dim(head_dim):
         and stores_accumulator(node)
     ]
     assert widths and max(widths) <= vector_lanes(target)
+    for mcpu in ("skylake-avx512", "znver3"):  # and the accumulator rows fit the registers
+        tiles = cpu_tiles(spec, llvm_target(mcpu))
+        registers = 32 if mcpu == "skylake-avx512" else 16
+        assert tiles.pv_rows * (tiles.pv_cols // pv_vector_width(tiles.pv_cols, tiles.lanes)) <= registers
 
 
 @pytest.mark.parametrize("mcpu", ["znver3", "skylake-avx512"])

@@ -273,6 +273,44 @@ def test_a_reshape_that_scatters_the_conv_tile_matches_ort(channels_in, kernel):
     _assert_matches_ort(conv_unfold(channels_in, kernel), feeds, kernels=1, conv_algorithms="direct")
 
 
+@pytest.mark.parametrize("epilogue", ["Relu", "Flatten"])
+def test_an_epilogue_within_the_tile_is_still_computed_per_tile(epilogue):
+    """The check that keeps a scattering reshape apart lets an elementwise epilogue and a reshape
+    that keeps the tile whole (H, W -> H·W) through: one parallel loop computes the conv's tile and
+    writes the output from it."""
+    from tvm_fusion.ir import tir_stmts
+
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[1, 1]),
+        helper.make_node("Reshape", ["c", "plane"], ["y"])
+        if epilogue == "Flatten"
+        else helper.make_node("Relu", ["c"], ["y"]),
+    ]
+    out = [1, 24, 256] if epilogue == "Flatten" else [1, 24, 16, 16]
+    model = _model(
+        [_const("plane", out, np.int64), *nodes],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)],
+        [_weight("w", 24, 16, 1, 1)],
+    )
+    result = tvm_fusion.build(model, "llvm", tuning_logs=None)
+    kernels = [f for _, f in result.lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert len(kernels) == 1
+    output = kernels[0].params[-1].name
+
+    def stored(loop):
+        return {node.buffer.name for node in tir_stmts(loop) if isinstance(node, tvm.tirx.BufferStore)}
+
+    tasks = [
+        n
+        for n in tir_stmts(kernels[0])
+        if isinstance(n, tvm.tirx.For) and n.kind == tvm.tirx.ForKind.PARALLEL
+    ]
+    assert any(output in stored(t) and any("conv2d" in name for name in stored(t)) for t in tasks)
+    feeds = {"x": np.random.default_rng(5).standard_normal((1, 16, 16, 16)).astype(np.float32)}
+    _assert_matches_ort(model, feeds)
+
+
 def test_shape_arithmetic_is_folded_into_a_static_slice():
     imported = import_onnx(shufflenet_chunk())
     text = imported.mod.script()

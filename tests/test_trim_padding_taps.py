@@ -9,6 +9,7 @@ from tvm_fusion import build
 from tvm_fusion.frontend import import_onnx
 from tvm_fusion.passes import TrimPaddingTaps
 from tvm_fusion.passes.trim_padding_taps import kept_taps
+from tvm_fusion.pipeline import pipeline_passes
 
 
 def _conv1d(x, w, pad_before, pad_after, dilation, stride):
@@ -77,7 +78,8 @@ def aspp_model(dilation: int, size: int = 6):
     return model, feeds
 
 
-def conv_weight_shapes(mod) -> list[list[int]]:
+def convs(mod) -> list[tuple[list[int], list[int], list[int]]]:
+    """(weight shape, dilation, output shape) of every conv2d binding in ``main``."""
     found = []
     for block in mod["main"].body.blocks:
         for binding in block.bindings:
@@ -87,16 +89,22 @@ def conv_weight_shapes(mod) -> list[list[int]]:
                 and isinstance(value.op, tvm.ir.Op)
                 and value.op.name == "relax.nn.conv2d"
             ):
-                found.append([int(d) for d in value.args[1].value.shape])
+                weight = [int(d) for d in value.args[1].value.shape]
+                out = [int(d) for d in binding.var.ty.shape.values]
+                found.append((weight, [int(d) for d in value.attrs.dilation], out))
     return found
 
 
-@pytest.mark.parametrize("dilation, kernel_after", [(6, [1, 1]), (2, [3, 3]), (4, [3, 3])])
-def test_aspp_conv_keeps_only_taps_that_read_the_input(dilation, kernel_after):
+@pytest.mark.parametrize(
+    "dilation, kernel_after, dilation_after", [(6, [1, 1], [1, 1]), (2, [3, 3], [2, 2]), (4, [3, 3], [4, 4])]
+)
+def test_aspp_conv_keeps_only_taps_that_read_the_input(dilation, kernel_after, dilation_after):
+    """A conv cut to its centre tap is a plain 1x1 conv (dilation 1: the undilated lowerings and
+    horizontal fusion take it); the output shape stays."""
     model, feeds = aspp_model(dilation)
     mod = TrimPaddingTaps()(import_onnx(model).mod)
-    assert conv_weight_shapes(mod) == [[16, 8, *kernel_after]]
-    assert mod["main"].ret_ty.shape.values[2:] == [6, 6]
+    assert convs(mod) == [([16, 8, *kernel_after], dilation_after, [1, 16, 6, 6])]
+    assert "TrimPaddingTaps" in [p.info.name for p in pipeline_passes("llvm")]
     result = build(model, "llvm", tuning_logs=None)
     ours = relax.VirtualMachine(result.executable, tvm.cpu())["main"](tvm.runtime.tensor(feeds["x"])).numpy()
     reference = ort_run(model, feeds)

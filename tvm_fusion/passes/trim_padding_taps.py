@@ -7,9 +7,11 @@ computed nine times over. ONNX Runtime's conv skips taps outside the input; ours
 window over a zero-padded copy, so the model ran at 2.2x ONNX Runtime's time.
 
 The rewrite keeps the taps that some output reads inside the input and shrinks the padding to
-match: same output shape, same values (every dropped term is 0 · w). It applies to NCHW / OIHW
-``conv2d`` with a constant weight, before layout rewriting; a conv whose trimmed form would need
-negative padding (rows a strided conv never reads) is left as it is.
+match: same output shape, same values (every dropped term is 0 · w). An axis cut to one tap gets
+dilation 1, so the rest of the pipeline sees a plain 1x1 conv (our CPU lowerings and horizontal
+fusion take only undilated convs). It applies to NCHW / OIHW ``conv2d`` with a constant weight and
+static H and W, before layout rewriting; a conv whose trimmed form would need negative padding
+(input rows past the last one any output reads) is left as it is.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import graph_functions, static_shape, with_functions
+from ..ir import graph_functions, shape_dims, with_functions
 
 __all__ = ["TrimPaddingTaps", "kept_taps"]
 
@@ -42,18 +44,22 @@ def kept_taps(size: int, pad_before: int, pad_after: int, kernel: int, dilation:
     lo, hi = valid[0], valid[-1]
     before = pad_before - lo * dilation
     after = (out - 1) * stride + dilation * (hi - lo) + 1 - size - before
+    if -stride < after < 0:
+        after = 0  # the output size rounds down: the same outputs
     if before < 0 or after < 0:
         return None
     return lo, hi, before, after
 
 
 def _trim(call: relax.Call):
-    """The trimmed conv's ``(weight slice, padding)``, or None if nothing is dropped."""
+    """The trimmed conv's ``(weight slice, padding, dilation)``, or None if nothing is dropped."""
     attrs = call.attrs
     if str(attrs.data_layout) != "NCHW" or str(attrs.kernel_layout) != "OIHW":
         return None
-    weight, shape = call.args[1], static_shape(call.args[0])
+    weight, shape = call.args[1], shape_dims(call.args[0])
     if not (isinstance(weight, tvm.ir.Constant) and hasattr(weight, "value")) or shape is None:
+        return None
+    if shape[2] is None or shape[3] is None:  # a symbolic batch is fine: only H and W matter
         return None
     kernel = [int(d) for d in weight.value.shape[2:]]
     top, left, bottom, right = (int(p) for p in attrs.padding)
@@ -68,7 +74,8 @@ def _trim(call: relax.Call):
         return None
     (r0, r1, top, bottom), (c0, c1, left, right) = spans
     sliced = weight.value.numpy()[:, :, r0 : r1 + 1, c0 : c1 + 1]
-    return np.ascontiguousarray(sliced), [top, left, bottom, right]
+    dilation = [1 if last == first else int(d) for (first, last, *_), d in zip(spans, attrs.dilation)]
+    return np.ascontiguousarray(sliced), [top, left, bottom, right], dilation
 
 
 @relax.expr_functor.mutator
@@ -80,14 +87,14 @@ class _Rewriter(relax.PyExprMutator):
         trimmed = _trim(call)
         if trimmed is None:
             return call
-        weight, padding = trimmed
+        weight, padding, dilation = trimmed
         a = call.attrs
         return relax.op.nn.conv2d(
             call.args[0],
             relax.const(weight),
             strides=list(a.strides),
             padding=padding,
-            dilation=list(a.dilation),
+            dilation=dilation,
             groups=int(a.groups),
             data_layout=str(a.data_layout),
             kernel_layout=str(a.kernel_layout),

@@ -145,22 +145,37 @@ def uses_var(expr, var) -> bool:
 
 
 def computed_within(sch: s_tir.Schedule, consumer, producer, loop) -> bool:
-    """Whether ``consumer``, computed under ``loop`` (after ``reverse_compute_at``), computes per
-    iteration at most as many points as ``producer`` writes there.
+    """Whether ``consumer``, computed under ``loop`` (after ``reverse_compute_at``), reads per
+    iteration at most as many of ``producer``'s points as the producer writes there.
 
     ``reverse_compute_at`` gives the consumer the box around the image of the producer's
     iteration. For an elementwise epilogue that box is the tile itself; a reshape that scatters the
     tile gets a larger box, whose extra points read values other iterations compute: wrong numbers
     (MobileViT's unfold ``[144, 32, 32] -> [2304, 2, 16, 2]`` after a 1x1 conv tiled 8 channels x 1
     row: 113 x 16 x 2 points per tile of 256, relative error 1.3). Such a consumer has to stay a
-    stage of its own."""
-    produced = _points_under(sch, producer, loop, spatial_only=True)
-    computed = _points_under(sch, consumer, loop)
-    return produced is not None and computed is not None and computed <= produced
+    stage of its own. Only the consumer's loops that index the producer count: a broadcast
+    consumer (a row's sum times each of its C elements) reads one point per row."""
+    stmt = sch.get(consumer)
+    buffer = sch.get(producer).writes[0].source
+    indexing = {
+        v
+        for region in stmt.reads
+        if region.source.same_as(buffer)
+        for r in region.region
+        for v in tirx.analysis.undefined_vars(r.min)
+    }
+    reading = [
+        value
+        for iv, value in zip(stmt.iter_vars, get_sblock_realize(sch, consumer).iter_values)
+        if any(iv.var.same_as(v) for v in indexing)
+    ]
+    produced = _points_under(sch, producer, loop, _spatial_bindings(sch, producer))
+    read = _points_under(sch, consumer, loop, reading)
+    return produced is not None and read is not None and read <= produced
 
 
 def reverse_compute_within(sch: s_tir.Schedule, consumer, producer, loop, preserve_unit_loops=False) -> bool:
-    """``reverse_compute_at(consumer, loop)`` if the consumer then computes within the producer's
+    """``reverse_compute_at(consumer, loop)`` if the consumer then reads within the producer's
     iteration (:func:`computed_within`); else False, with ``sch`` untouched."""
     probe = sch.copy()
     if not try_primitive(probe.reverse_compute_at, consumer, loop, preserve_unit_loops):
@@ -171,22 +186,26 @@ def reverse_compute_within(sch: s_tir.Schedule, consumer, producer, loop, preser
     return True
 
 
-def _points_under(sch: s_tir.Schedule, block, loop, spatial_only: bool = False) -> int | None:
-    """Iterations of ``block``'s loops below ``loop`` (only those that bind a data-parallel iter,
-    with ``spatial_only``); None if ``loop`` is not around the block or a count is not static."""
+def _spatial_bindings(sch: s_tir.Schedule, block) -> list:
+    stmt = sch.get(block)
+    realize = get_sblock_realize(sch, block)
+    return [
+        value
+        for iv, value in zip(stmt.iter_vars, realize.iter_values)
+        if iv.iter_type == tirx.IterVar.DataPar
+    ]
+
+
+def _points_under(sch: s_tir.Schedule, block, loop, bindings) -> int | None:
+    """Iterations of ``block``'s loops below ``loop`` that some of ``bindings`` (the block's iter
+    values) use; None if ``loop`` is not around the block or such a count is not static."""
     loops = sch.get_loops(block)
     at = next((i for i, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(loop))), None)
     if at is None:
         return None
-    stmt = sch.get(block)
-    spatial = [
-        value
-        for iv, value in zip(stmt.iter_vars, get_sblock_realize(sch, block).iter_values)
-        if iv.iter_type == tirx.IterVar.DataPar
-    ]
     points = 1
     for lp in loops[at + 1 :]:
-        if spatial_only and not any(uses_var(value, sch.get(lp).loop_var) for value in spatial):
+        if not any(uses_var(value, sch.get(lp).loop_var) for value in bindings):
             continue
         extent = int_extent(sch, lp)
         if extent is None:

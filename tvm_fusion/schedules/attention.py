@@ -190,6 +190,14 @@ def _register_tiles(regs: int, lanes: int, width_ok) -> list[tuple[int, int, flo
     return tiles
 
 
+def pv_vector_width(columns: int, lanes: int) -> int:
+    """SIMD width of the P.V accumulators over ``columns`` head-dim columns: whole vectors where
+    the columns allow, else the widest divisor of them that fits one register. One <36 x float>
+    accumulator per row (MobileViT's head dim 36) made the kernel 8x slower than three 12-lane
+    ones (B4 x H4, S 256: 7.9 -> 0.99 ms; head dims 20, 24, 40, 72 alike)."""
+    return lanes if columns % lanes == 0 else max(w for w in range(1, lanes + 1) if columns % w == 0)
+
+
 def cpu_tiles(spec: AttentionSpec, target: Target) -> CpuTiles:
     """Tile sizes from the target's SIMD width and register count (no machine constants).
 
@@ -204,9 +212,14 @@ def cpu_tiles(spec: AttentionSpec, target: Target) -> CpuTiles:
     cores = num_cores(target)
     dv = spec.head_dim_v
     qk = _register_tiles(regs, lanes, lambda w: w <= 64)
-    pv = _register_tiles(regs, lanes, lambda w: dv % w == 0) or [
-        (max(1, min(8, (regs - 2) * lanes // dv)), 0, 0.0)
-    ]
+    # no multiple of the SIMD width divides the head dim: one row is dv / width narrower vectors,
+    # each in its own register (see pv_vector_width). Rows: the most, a power of two (query tiles
+    # are multiples of it), whose accumulators fit the registers. B4 x H4, AVX-512, 2 threads:
+    # d 72 in 4 rows 1.84 ms (8: 2.32, 5: 3.1 with its odd query tiles); d 40 and 60 in 8 rows of 4
+    # vectors 1.21 / 0.12 ms (6 rows, leaving registers for the loads: 1.40 / 0.18)
+    vectors = dv // pv_vector_width(dv, lanes)
+    rows = 1 << (max(1, min(8, regs // vectors)).bit_length() - 1)
+    pv = _register_tiles(regs, lanes, lambda w: dv % w == 0) or [(rows, 0, 0.0)]
     pairs = [(math.lcm(c1 * lanes, r2), (r1, c1, e1), (r2, c2, e2)) for r1, c1, e1 in qk for r2, c2, e2 in pv]
     min_step = min(step for step, _, _ in pairs)
     max_step = MAX_QUERY_STEP if min_step <= MAX_QUERY_STEP else min_step  # e.g. 7-row P.V tiles
@@ -279,11 +292,7 @@ def cpu_attention_kernel(spec: AttentionSpec, target: Target, tiles: CpuTiles | 
     Sq_pad, Skv_pad = QT * Tq, KT * Tk
     ragged_q, ragged_kv = Sq % Tq != 0, Skv % Tk != 0
     NV = Tq // L  # query vectors per tile (softmax statistics)
-    # P.V columns as whole SIMD vectors where the head dim allows, else as the widest divisor of the
-    # tile's columns that fits one register: one <36 x float> accumulator per row (MobileViT's head
-    # dim 36) made the kernel 8x slower than three 12-lane ones (B4 x H4, S 256: 7.9 -> 0.99 ms;
-    # head dims 20, 24, 40, 72 alike)
-    VW2 = L if W2 % L == 0 else max(w for w in range(1, L + 1) if W2 % w == 0)
+    VW2 = pv_vector_width(W2, L)  # P.V columns per SIMD vector
     NW2 = W2 // VW2
     causal = spec.causal_offset is not None
     off = spec.causal_offset or 0
