@@ -11,6 +11,8 @@ Order, and why:
    whose windows rounding up does not change loses the flag (and TOPI's padded copy of its input).
    ``TrimPaddingTaps``: conv taps that read only zero padding (DeepLabV3's ASPP, dilation 24 and 36
    on a 14x14 map) are dropped from the kernel, with the padding shrunk to match.
+   ``LinearResizeAsMatmul`` (CPU): a bilinear resize of a small map (a segmentation head's
+   logits) becomes two matmuls with constant interpolation matrices.
    ``SimplifyUnitPermutes``: a transpose of size-1 axes only (ViT's seq-first attention at batch 1)
    is a free reshape, moved in front of a layer norm so that the norm still fuses into its GEMM.
 3. ``HorizontalFuse``: sibling GEMMs/convs over one input become one (Q/K/V -> one GEMM + split).
@@ -50,6 +52,7 @@ from .passes import (
     FoldBatchNorm,
     FuseAttention,
     HorizontalFuse,
+    LinearResizeAsMatmul,
     MarkSingleBufferNoAlias,
     PadConvChannels,
     RewriteLayout,
@@ -119,6 +122,8 @@ def pipeline_stages(
     if fold_batch_norm:
         rewrite += [FoldBatchNorm(), relax.transform.FoldConstant()]
     rewrite += [CanonicalizeActivations(), SimplifyPoolCeilMode(), TrimPaddingTaps(), SimplifyUnitPermutes()]
+    if target.kind.name == "llvm":  # a GEMM for our CPU rules (GPU: not measured)
+        rewrite.append(LinearResizeAsMatmul())
     if horizontal:
         rewrite.append(HorizontalFuse())
     if attention and fusion:

@@ -9,6 +9,7 @@ from .fuse_attention import FuseAttention, attention_decisions
 from .horizontal_fuse import HorizontalFuse
 from .mark_single_buffer_noalias import MarkSingleBufferNoAlias
 from .pad_conv_channels import PadConvChannels
+from .resize_as_matmul import LinearResizeAsMatmul
 from .rewrite_layout import RewriteLayout, count_layout_transforms
 from .simplify_pool_ceil_mode import SimplifyPoolCeilMode
 from .simplify_unit_permutes import SimplifyUnitPermutes
@@ -23,6 +24,7 @@ __all__ = [
     "FoldConstantCalls",
     "FuseAttention",
     "HorizontalFuse",
+    "LinearResizeAsMatmul",
     "MarkSingleBufferNoAlias",
     "PadConvChannels",
     "RewriteLayout",
