@@ -13,7 +13,9 @@ are rewritten.
 The weights follow TOPI's linear resize (``topi.image.resize``): source coordinate per
 ``coordinate_transformation_mode``, ``floor``, neighbours clamped to the edge, ``lerp`` weights
 ``1 - t`` and ``t``. They are computed in float64 and stored in float32, so the result differs from
-TOPI's float32 coordinate arithmetic by rounding only.
+TOPI's float32 coordinate arithmetic by rounding only. (align_corners to a size of 1 would read
+source 0 here, as PyTorch and ONNX Runtime do; TOPI divides by ``size - 1`` and such a model
+already fails at ``FoldConstant``, before this pass.)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import tvm
 from tvm import relax
 
 from ..ir import dtype_of, graph_functions, shape_dims, with_functions
+from ..legalize.conv_args import out_dtype
 
 __all__ = ["LinearResizeAsMatmul", "interpolation_matrix"]
 
@@ -33,6 +36,8 @@ _MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric")
 
 def interpolation_matrix(size_in: int, size_out: int, mode: str) -> np.ndarray:
     """``(size_out, size_in)`` weights of 1-D linear interpolation, as TOPI computes it."""
+    if mode not in _MODES:
+        raise ValueError(f"unknown coordinate_transformation_mode {mode!r}: one of {', '.join(_MODES)}")
     x = np.arange(size_out, dtype=np.float64)
     scale = size_in / size_out
     if mode == "align_corners":
@@ -58,7 +63,7 @@ def _matrices(call: relax.Call):
     mode = str(attrs.coordinate_transformation_mode)
     if str(attrs.method) != "linear" or str(attrs.layout) != "NCHW" or mode not in _MODES:
         return None
-    if any(float(r) != 0.0 for r in attrs.roi) or (attrs.out_dtype is not None and str(attrs.out_dtype)):
+    if any(float(r) != 0.0 for r in attrs.roi) or out_dtype(attrs) not in (None, "float32"):
         return None
     shape, out = shape_dims(call.args[0]), shape_dims(call)
     if shape is None or out is None or len(shape) != 4 or None in (*shape[2:], *out[2:]):
@@ -77,10 +82,9 @@ def _matrices(call: relax.Call):
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
     def visit_call_(self, call):
+        # decided on the original call, which has its type; the visited one may not
+        matrices = _matrices(call) if isinstance(call.op, tvm.ir.Op) and call.op.name == _RESIZE else None
         call = super().visit_call_(call)
-        if not isinstance(call.op, tvm.ir.Op) or call.op.name != _RESIZE:
-            return call
-        matrices = _matrices(call)
         if matrices is None:
             return call
         rows, columns = matrices

@@ -215,8 +215,9 @@ def cpu_tiles(spec: AttentionSpec, target: Target) -> CpuTiles:
     # no multiple of the SIMD width divides the head dim: one row is dv / width narrower vectors,
     # each in its own register (see pv_vector_width). Rows: the most, a power of two (query tiles
     # are multiples of it), whose accumulators fit the registers. B4 x H4, AVX-512, 2 threads:
-    # d 72 in 4 rows 1.84 ms (8: 2.32, 5: 3.1 with its odd query tiles); d 40 and 60 in 8 rows of 4
-    # vectors 1.21 / 0.12 ms (6 rows, leaving registers for the loads: 1.40 / 0.18)
+    # d 72 in 4 rows 1.84 ms (6, the rule before: 2.32; 5: 3.1 with its odd query tiles); d 40 and
+    # 60 in 8 rows of 4 vectors 1.21 / 0.12 ms (6 rows, leaving registers for the loads: 1.40 /
+    # 0.18). A prime head dim still gets one-lane vectors (and spills).
     vectors = dv // pv_vector_width(dv, lanes)
     rows = 1 << (max(1, min(8, regs // vectors)).bit_length() - 1)
     pv = _register_tiles(regs, lanes, lambda w: dv % w == 0) or [(rows, 0, 0.0)]
