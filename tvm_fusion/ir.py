@@ -14,6 +14,18 @@ def op_name(expr) -> str | None:
     return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, Op) else None
 
 
+def op_calls(func: relax.Function, names) -> list[relax.Call]:
+    """Every call in ``func`` of a Relax operator named in ``names``, in post order."""
+    calls = []
+
+    def visit(expr):
+        if op_name(expr) in names:
+            calls.append(expr)
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return calls
+
+
 def tensor_type(expr) -> relax.TensorType | None:
     ty = getattr(expr, "ty", None)
     return ty if isinstance(ty, relax.TensorType) else None

@@ -24,7 +24,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import dtype_of, graph_functions, shape_dims, with_functions
+from ..ir import dtype_of, graph_functions, op_calls, op_name, shape_dims, with_functions
 from ..legalize.conv_args import out_dtype
 
 __all__ = ["LinearResizeAsMatmul", "interpolation_matrix"]
@@ -83,7 +83,7 @@ def _matrices(call: relax.Call):
 class _Rewriter(relax.PyExprMutator):
     def visit_call_(self, call):
         # decided on the original call, which has its type; the visited one may not
-        matrices = _matrices(call) if isinstance(call.op, tvm.ir.Op) and call.op.name == _RESIZE else None
+        matrices = _matrices(call) if op_name(call) == _RESIZE else None
         call = super().visit_call_(call)
         if matrices is None:
             return call
@@ -99,17 +99,6 @@ class LinearResizeAsMatmul:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         updates = {}
         for gvar, func in graph_functions(mod):
-            if any(_matrices(call) is not None for call in _resize_calls(func)):
+            if any(_matrices(call) is not None for call in op_calls(func, (_RESIZE,))):
                 updates[gvar] = _Rewriter(mod).visit_expr(func)
         return with_functions(mod, updates)
-
-
-def _resize_calls(func: relax.Function) -> list[relax.Call]:
-    calls = []
-
-    def visit(expr):
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == _RESIZE:
-            calls.append(expr)
-
-    relax.analysis.post_order_visit(func.body, visit)
-    return calls

@@ -19,7 +19,7 @@ import re
 import tvm
 from tvm import relax
 
-from ..ir import graph_functions, static_shape, with_functions
+from ..ir import graph_functions, op_calls, op_name, static_shape, with_functions
 
 __all__ = ["SimplifyPoolCeilMode"]
 
@@ -54,7 +54,7 @@ def ceil_mode_is_noop(call: relax.Call) -> bool:
 class _Rewriter(relax.PyExprMutator):
     def visit_call_(self, call):
         call = super().visit_call_(call)
-        if not isinstance(call.op, tvm.ir.Op) or call.op.name not in _POOLS:
+        if op_name(call) not in _POOLS:
             return call
         if not ceil_mode_is_noop(call):
             return call
@@ -79,17 +79,6 @@ class SimplifyPoolCeilMode:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         updates = {}
         for gvar, func in graph_functions(mod):
-            if any(ceil_mode_is_noop(call) for call in _pool_calls(func)):
+            if any(ceil_mode_is_noop(call) for call in op_calls(func, _POOLS)):
                 updates[gvar] = _Rewriter(mod).visit_expr(func)
         return with_functions(mod, updates)
-
-
-def _pool_calls(func: relax.Function) -> list[relax.Call]:
-    calls = []
-
-    def visit(expr):
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in _POOLS:
-            calls.append(expr)
-
-    relax.analysis.post_order_visit(func.body, visit)
-    return calls

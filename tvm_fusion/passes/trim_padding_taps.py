@@ -20,7 +20,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import graph_functions, shape_dims, with_functions
+from ..ir import graph_functions, op_calls, op_name, shape_dims, with_functions
 
 __all__ = ["TrimPaddingTaps", "kept_taps"]
 
@@ -82,7 +82,7 @@ def _trim(call: relax.Call):
 class _Rewriter(relax.PyExprMutator):
     def visit_call_(self, call):
         call = super().visit_call_(call)
-        if not isinstance(call.op, tvm.ir.Op) or call.op.name != _CONV2D:
+        if op_name(call) != _CONV2D:
             return call
         trimmed = _trim(call)
         if trimmed is None:
@@ -110,17 +110,6 @@ class TrimPaddingTaps:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         updates = {}
         for gvar, func in graph_functions(mod):
-            if any(_trim(call) is not None for call in _conv_calls(func)):
+            if any(_trim(call) is not None for call in op_calls(func, (_CONV2D,))):
                 updates[gvar] = _Rewriter(mod).visit_expr(func)
         return with_functions(mod, updates)
-
-
-def _conv_calls(func: relax.Function) -> list[relax.Call]:
-    calls = []
-
-    def visit(expr):
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == _CONV2D:
-            calls.append(expr)
-
-    relax.analysis.post_order_visit(func.body, visit)
-    return calls
