@@ -137,7 +137,7 @@ def torch_model(name: str):
             model = getattr(torchvision.models.segmentation, name)(weights=None, weights_backbone=None)
             model, shape = _output(model, key="out"), (1, 3, 224, 224)
         zoo._no_zero_layers(model)
-        _calibrate(model, shape)
+        zoo._calibrate_batch_norm(model, shape, batch=4, rounds=1)
         return model.eval(), (torch.randn(*shape),), ["input"]
     import transformers
 
@@ -148,7 +148,9 @@ def torch_model(name: str):
             inner = inner.get_encoder()
         model = _output(inner.eval(), attribute=output)
         if len(shape) == 4:
-            _calibrate(model, shape)  # their BatchNorms (MobileViT's output was ~1e-40 without)
+            zoo._calibrate_batch_norm(
+                model, shape, batch=4, rounds=1
+            )  # MobileViT's output was ~1e-40 without
         input_name = {2: "input_values", 3: "input_features"}.get(len(shape), "pixel_values")
         return model.eval(), (torch.randn(*shape),), [input_name]
     if name in SEQ2SEQ:
@@ -178,22 +180,6 @@ def torch_model(name: str):
     ids = torch.randint(0, 1000, (1, seq), dtype=torch.int64)
     mask = torch.ones(1, seq, dtype=torch.int64)
     return LastHidden(inner).eval(), (ids, mask), ["input_ids", "attention_mask"]
-
-
-def _calibrate(model, shape) -> None:
-    """BatchNorm running statistics from random batches of ``shape`` (``zoo._calibrate_batch_norm``
-    does it for 224x224 images only)."""
-    import torch
-
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    for norm in norms:
-        norm.reset_running_stats()
-        norm.momentum = None  # a plain average over the batches
-    if norms:
-        model.train()
-        with torch.no_grad():
-            model(torch.randn(4, *shape[1:]))
-    model.eval()
 
 
 def _output(model, key=None, attribute=None):

@@ -137,8 +137,9 @@ def _no_zero_layers(model) -> None:
                 torch.nn.init.normal_(weight, std=0.02)
 
 
-def _calibrate_batch_norm(model) -> None:
-    """Running statistics from a few random batches, as training would leave them.
+def _calibrate_batch_norm(model, shape=IMAGE, batch: int = 8, rounds: int = 2) -> None:
+    """Running statistics from ``rounds`` random batches of ``batch`` inputs of ``shape`` (its
+    first dim ignored), as training would leave them.
 
     With untrained statistics (mean 0, variance 1) the eval-mode BatchNorms normalise nothing and
     activations shrink layer by layer (mobilenet_v2's output ~1e-9, efficientnet_b0's ~1e-14), so
@@ -153,8 +154,8 @@ def _calibrate_batch_norm(model) -> None:
         norm.momentum = None  # a plain average over the batches
     model.train()
     with torch.no_grad():
-        for _ in range(2):
-            model(torch.randn(8, *IMAGE[1:]))
+        for _ in range(rounds):
+            model(torch.randn(batch, *shape[1:]))
     model.eval()
 
 
