@@ -147,10 +147,8 @@ def torch_model(name: str):
         if name == "whisper_encoder":
             inner = inner.get_encoder()
         model = _output(inner.eval(), attribute=output)
-        if len(shape) == 4:
-            zoo._calibrate_batch_norm(
-                model, shape, batch=4, rounds=1
-            )  # MobileViT's output was ~1e-40 without
+        if len(shape) == 4:  # their BatchNorms: MobileViT's output was ~1e-40 without
+            zoo._calibrate_batch_norm(model, shape, batch=4, rounds=1)
         input_name = {2: "input_values", 3: "input_features"}.get(len(shape), "pixel_values")
         return model.eval(), (torch.randn(*shape),), [input_name]
     if name in SEQ2SEQ:
