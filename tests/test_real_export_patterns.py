@@ -404,6 +404,21 @@ def test_frontend_failure_names_the_node():
         import_onnx(model)
 
 
+def test_frontend_failure_names_an_unnamed_node_by_its_outputs():
+    """Unnamed nodes are common; the error must point at the failing one, not another unnamed node."""
+    model = _model(
+        [
+            _const("target_shape", np.array([5], np.int64)),
+            helper.make_node("Reshape", ["x", "target_shape"], ["bad"]),
+            helper.make_node("Relu", ["bad"], ["y"]),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5])],
+    )
+    with pytest.raises(ImportNodeError, match=r"node '<unnamed>' \(Reshape, outputs \['bad'\]\)"):
+        import_onnx(model)
+
+
 # -- real exports (torch installed: pytest -m zoo) ----------------------------------------------
 def _zoo_script():
     path = Path(__file__).resolve().parent.parent / "scripts" / "zoo.py"

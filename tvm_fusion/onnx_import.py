@@ -51,9 +51,16 @@ CONVERTERS: dict[str, type[frontend.OnnxOpConverter]] = {"ConstantOfShape": Cons
 
 
 class _Importer(frontend.ONNXGraphImporter):
-    def __init__(self, nodes_by_name: dict[str, onnx.NodeProto], **kwargs):
+    def __init__(self, **kwargs):
         super().__init__(None, "float32", **kwargs)
-        self._onnx_nodes = nodes_by_name
+        self._node: onnx.NodeProto | None = None
+
+    def _parse_value_proto(self, value_proto):
+        # The frontend calls this with each node right before converting it: remember the node, so an
+        # error names it by its outputs even when it has no name (unnamed nodes are common).
+        if isinstance(value_proto, onnx.NodeProto):
+            self._node = value_proto
+        return super()._parse_value_proto(value_proto)
 
     def _convert_operator(self, op_name, inputs, attrs, opset):
         converter = CONVERTERS.get(op_name)
@@ -65,8 +72,8 @@ class _Importer(frontend.ONNXGraphImporter):
         except ImportNodeError:
             raise
         except Exception as err:
-            name = attrs.get("tvm_custom", {}).get("name", "")
-            node = self._onnx_nodes.get(name)
+            node = self._node
+            name = node.name if node is not None else attrs.get("tvm_custom", {}).get("name", "")
             outputs = f", outputs {list(node.output)}" if node is not None else ""
             raise ImportNodeError(
                 f"node {name or '<unnamed>'!r} ({op_name}{outputs}): {last_line(err)}"
@@ -76,7 +83,7 @@ class _Importer(frontend.ONNXGraphImporter):
 def from_onnx(model: onnx.ModelProto) -> tvm.IRModule:
     """``tvm.relax.frontend.onnx.from_onnx(model, keep_params_in_input=False)``, with our converters."""
     opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 1)
-    importer = _Importer({n.name: n for n in model.graph.node}, keep_params_in_input=False)
+    importer = _Importer(keep_params_in_input=False)
     # the frontend prints every failing node's inputs (whole constant arrays) before re-raising
     with contextlib.redirect_stdout(io.StringIO()):
         return importer.from_onnx(model.graph, opset)
