@@ -21,6 +21,11 @@ import os as _os
 # runs, takes effect; an explicit TVM_NUM_THREADS / OMP_NUM_THREADS from the user always wins.
 if "TVM_NUM_THREADS" not in _os.environ and "OMP_NUM_THREADS" not in _os.environ:
     _os.environ["TVM_NUM_THREADS"] = str(_os.cpu_count() or 1)
+# TVM also pins each pool worker to one core, and its kernels split work statically, so a kernel
+# waits for its slowest thread: one busy process on the worker's core made MobileNet-V2 234 ms
+# instead of 9 ms unpinned (docs/contention.md). Unpinned, the OS moves the worker off the busy
+# core; on an idle machine both measured the same. The user's TVM_BIND_THREADS wins here too.
+_os.environ.setdefault("TVM_BIND_THREADS", "0")
 
 from .api import BuildResult, LoadedModel, build, export_library, load, optimize  # noqa: E402
 from .errors import (  # noqa: E402
