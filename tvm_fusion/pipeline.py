@@ -11,6 +11,8 @@ Order, and why:
    whose windows rounding up does not change loses the flag (and TOPI's padded copy of its input).
    ``TrimPaddingTaps``: conv taps that read only zero padding (DeepLabV3's ASPP, dilation 24 and 36
    on a 14x14 map) are dropped from the kernel, with the padding shrunk to match.
+   ``SplitConvAtBorders`` (CPU): a conv whose border outputs read fewer taps (DeepLabV3's
+   dilation-12 ASPP conv) is computed per output region with only that region's taps.
    ``LinearResizeAsMatmul`` (CPU): a bilinear resize of a small map (a segmentation head's
    logits) becomes two matmuls with constant interpolation matrices.
    ``SimplifyUnitPermutes``: a transpose of size-1 axes only (ViT's seq-first attention at batch 1)
@@ -58,6 +60,7 @@ from .passes import (
     RewriteLayout,
     SimplifyPoolCeilMode,
     SimplifyUnitPermutes,
+    SplitConvAtBorders,
     StackAllocateLoopBuffers,
     TrimPaddingTaps,
 )
@@ -122,8 +125,8 @@ def pipeline_stages(
     if fold_batch_norm:
         rewrite += [FoldBatchNorm(), relax.transform.FoldConstant()]
     rewrite += [CanonicalizeActivations(), SimplifyPoolCeilMode(), TrimPaddingTaps(), SimplifyUnitPermutes()]
-    if target.kind.name == "llvm":  # a GEMM for our CPU rules (GPU: not measured)
-        rewrite.append(LinearResizeAsMatmul())
+    if target.kind.name == "llvm":  # GPU: not measured
+        rewrite += [SplitConvAtBorders(), LinearResizeAsMatmul()]
     if horizontal:
         rewrite.append(HorizontalFuse())
     if attention and fusion:

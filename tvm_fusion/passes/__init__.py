@@ -13,6 +13,7 @@ from .resize_as_matmul import LinearResizeAsMatmul
 from .rewrite_layout import RewriteLayout, count_layout_transforms
 from .simplify_pool_ceil_mode import SimplifyPoolCeilMode
 from .simplify_unit_permutes import SimplifyUnitPermutes
+from .split_conv_at_borders import SplitConvAtBorders
 from .stack_allocate_loop_buffers import StackAllocateLoopBuffers
 from .trim_padding_taps import TrimPaddingTaps
 
@@ -31,6 +32,7 @@ __all__ = [
     "SimplifyPoolCeilMode",
     "SimplifyUnitPermutes",
     "StackAllocateLoopBuffers",
+    "SplitConvAtBorders",
     "TrimPaddingTaps",
     "attention_decisions",
     "count_layout_transforms",

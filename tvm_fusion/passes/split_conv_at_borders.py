@@ -1,0 +1,127 @@
+"""SplitConvAtBorders: compute each region of a conv's output with only the taps it reads inside the input.
+
+DeepLabV3's dilation-12 ASPP conv on a 14x14 map (torchvision ``deeplabv3_mobilenet_v3_large`` at
+224x224) keeps all nine taps after ``TrimPaddingTaps``, since the border outputs read some input
+through each of them. But the 10x10 centre of its output reads the input only through the
+centre tap, the edges through two taps and the corners through four: 18 % of the multiply-adds of
+the full 3x3 window over a zero-padded copy (ONNX Runtime skips the padding taps per output and
+ran this conv in a third of our time).
+
+Along each spatial axis the outputs fall into bands that read the input through the same span of
+taps (:func:`tap_bands`). The rewrite computes every (row band, column band) region as its own
+conv, on the slice of the input it reads, with that region's taps and no padding, and
+concatenates the regions back: the same values (every dropped term is 0 · w). It applies to NCHW /
+OIHW ``conv2d`` with a constant weight and static H and W when the regions need at most
+``MAX_WORK`` of the full conv's multiply-adds and there are at most ``MAX_BANDS`` bands per axis
+(ordinary 3x3 convs, padded by 1, keep ~all their work and are left alone). The regions' kernels
+are slices of the weight, so a tap shared by several regions is stored once per region (the
+ASPP conv: 25 taps for 9, +16 MB). CPU only: on CUDA the nine small kernels are not measured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..ir import graph_functions, op_calls, op_name, shape_dims, with_functions
+
+__all__ = ["MAX_BANDS", "MAX_WORK", "SplitConvAtBorders", "tap_bands"]
+
+_CONV2D = "relax.nn.conv2d"
+MAX_WORK = 0.5  # split only when the regions need at most half the multiply-adds
+MAX_BANDS = 3  # per axis: at most 9 convs in place of one
+
+
+def tap_bands(size: int, pad_before: int, kernel: int, dilation: int, stride: int, out: int):
+    """Runs of consecutive outputs along one axis that read the input through the same taps:
+    ``[(first output, end output, first tap, last tap)]``; None if some output reads no input."""
+    bands: list[tuple[int, int, int, int]] = []
+    for y in range(out):
+        start = y * stride - pad_before  # input index of tap 0
+        first = max(0, -(start // dilation))  # ceil(-start / dilation)
+        last = min(kernel - 1, (size - 1 - start) // dilation)
+        if first > last:
+            return None
+        if bands and bands[-1][2:] == (first, last):
+            bands[-1] = (bands[-1][0], y + 1, first, last)
+        else:
+            bands.append((y, y + 1, first, last))
+    return bands
+
+
+def _plan(call: relax.Call):
+    """The (row bands, column bands) of a conv worth splitting, or None."""
+    attrs = call.attrs
+    if str(attrs.data_layout) != "NCHW" or str(attrs.kernel_layout) != "OIHW":
+        return None
+    weight, shape, out = call.args[1], shape_dims(call.args[0]), shape_dims(call)
+    if not (isinstance(weight, tvm.ir.Constant) and hasattr(weight, "value")) or shape is None:
+        return None
+    if None in (shape[2], shape[3]) or out is None or None in (out[2], out[3]):
+        return None
+    kernel = [int(d) for d in weight.value.shape[2:]]
+    top, left = int(attrs.padding[0]), int(attrs.padding[1])
+    bands = [
+        tap_bands(shape[2 + i], pad, kernel[i], int(attrs.dilation[i]), int(attrs.strides[i]), out[2 + i])
+        for i, pad in enumerate((top, left))
+    ]
+    if any(b is None or len(b) > MAX_BANDS for b in bands) or all(len(b) == 1 for b in bands):
+        return None
+    work = [sum((end - begin) * (last - first + 1) for begin, end, first, last in b) for b in bands]
+    if work[0] * work[1] > MAX_WORK * out[2] * kernel[0] * out[3] * kernel[1]:
+        return None
+    return bands
+
+
+@relax.expr_functor.mutator
+class _Rewriter(relax.PyExprMutator):
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        if op_name(call) != _CONV2D:
+            return call
+        bands = _plan(call)
+        if bands is None:
+            return call
+        a = call.attrs
+        weight = call.args[1].value.numpy()
+        strides = [int(s) for s in a.strides]
+        dilation = [int(d) for d in a.dilation]
+        pads = (int(a.padding[0]), int(a.padding[1]))
+        rows = []
+        for row in bands[0]:
+            regions = []
+            for col in bands[1]:
+                begin, end = [], []
+                for axis, (first_y, end_y, first, last) in enumerate((row, col)):
+                    begin.append(first_y * strides[axis] - pads[axis] + first * dilation[axis])
+                    end.append((end_y - 1) * strides[axis] - pads[axis] + last * dilation[axis] + 1)
+                part = self.builder_.emit(relax.op.strided_slice(call.args[0], [2, 3], begin, end))
+                taps = weight[:, :, row[2] : row[3] + 1, col[2] : col[3] + 1]
+                conv = relax.op.nn.conv2d(
+                    part,
+                    relax.const(np.ascontiguousarray(taps)),
+                    strides=strides,
+                    padding=[0, 0, 0, 0],
+                    dilation=[1 if band[2] == band[3] else d for band, d in zip((row, col), dilation)],
+                    groups=int(a.groups),
+                    data_layout="NCHW",
+                    kernel_layout="OIHW",
+                    out_layout=str(a.out_layout),
+                    out_dtype=a.out_dtype,
+                )
+                regions.append(self.builder_.emit(conv))
+            rows.append(regions[0] if len(regions) == 1 else self.builder_.emit(relax.op.concat(regions, 3)))
+        return rows[0] if len(rows) == 1 else relax.op.concat(rows, 2)
+
+
+@tvm.transform.module_pass(opt_level=0, name="SplitConvAtBorders")
+class SplitConvAtBorders:
+    """Split a conv into output regions that each keep only their taps (see the module docstring)."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        updates = {}
+        for gvar, func in graph_functions(mod):
+            if any(_plan(call) is not None for call in op_calls(func, (_CONV2D,))):
+                updates[gvar] = _Rewriter(mod).visit_expr(func)
+        return with_functions(mod, updates)
