@@ -6,7 +6,7 @@ is busy on a worker's core, that worker gets half the core and every kernel wait
 cannot move it. ``import tvm_fusion`` therefore turns the pinning off (unless the user set it).
 This script measures why, side by side with ORT in one process per case:
 
-* load: ``idle``; ``busy core N`` (a ``while True`` process pinned to the highest-numbered CPU,
+* load: ``idle``; ``busy core`` (a ``while True`` process pinned to the highest-numbered CPU,
   where TVM pins a worker); ``busy, any core`` (the same process, unpinned).
 * TVM pool: ``pinned`` (``TVM_BIND_THREADS=1``, plain TVM's default) or ``unpinned`` (``0``,
   tvm_fusion's default).
@@ -130,7 +130,8 @@ def format_markdown(rows: list[dict]) -> str:
         "given per process. `busy core`: a `while True` process pinned to the highest-numbered "
         "CPU, where TVM pins a pool worker; `busy, any core`: the same process, unpinned. `pinned` "
         "is TVM's default thread pool (`TVM_BIND_THREADS=1`), `unpinned` what `import tvm_fusion` "
-        "sets (`TVM_BIND_THREADS=0`, unless you set it).",
+        "sets (`TVM_BIND_THREADS=0`, unless you set it). Models: the bundled examples "
+        "(`tvm_fusion.models`) and ONNX files given with `--onnx` (named by their file).",
         "",
         *_summary(rows),
         "",
@@ -177,8 +178,8 @@ def main(argv=None) -> int:
                     cmd = [sys.executable, __file__, "--child", path, library, load, str(args.runs)]
                     ort_ms, ours_ms = [], []
                     for _ in range(args.repeats):  # fresh processes: the OS places threads anew
-                        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-                        ms = json.loads(out.stdout.strip().splitlines()[-1])
+                        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+                        ms = json.loads(proc.stdout.strip().splitlines()[-1])
                         ort_ms.append(ms[0])
                         ours_ms.append(ms[1])
                     row = dict(model=name, load=load, pool=pool, ms_ort=ort_ms, ms_ours=ours_ms)

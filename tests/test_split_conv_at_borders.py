@@ -8,6 +8,7 @@ from tvm import relax
 
 from tvm_fusion import build
 from tvm_fusion.frontend import import_onnx
+from tvm_fusion.ir import op_calls
 from tvm_fusion.passes import SplitConvAtBorders
 from tvm_fusion.passes.split_conv_at_borders import tap_bands
 from tvm_fusion.pipeline import pipeline_passes
@@ -114,6 +115,40 @@ def test_ordinary_padded_conv_is_left_whole():
     """A 3x3 conv padded by 1 keeps almost all its work at the borders: not worth nine kernels."""
     model, _ = conv_model((12, 12), 3, 1, [1, 1, 1, 1])
     assert convs(SplitConvAtBorders()(import_onnx(model).mod)) == [([16, 8, 3, 3], [1, 1], [1, 16, 12, 12])]
+
+
+def test_undilated_conv_on_a_tiny_map_is_left_whole():
+    """A 3x3 conv on 2x2 would keep 44 % of its work, but as four one-pixel convs, slices and
+    concats; only dilated convs were measured to gain."""
+    model, _ = conv_model((2, 2), 3, 1, [1, 1, 1, 1])
+    assert len(convs(SplitConvAtBorders()(import_onnx(model).mod))) == 1
+
+
+def _aspp_function(out_layout="NCHW", constant_weight=True):
+    x = relax.Var("x", relax.TensorType([1, 8, 14, 14], "float32"))
+    w_value = np.ones((16, 8, 3, 3), "float32")
+    w = relax.Var("w", relax.TensorType([16, 8, 3, 3], "float32"))
+    params = [x] if constant_weight else [x, w]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            weight = relax.const(w_value) if constant_weight else w
+            y = bb.emit_output(
+                relax.op.nn.conv2d(x, weight, padding=[12] * 4, dilation=[12, 12], out_layout=out_layout)
+            )
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+@pytest.mark.parametrize("out_layout, constant_weight", [("NHWC", True), ("NCHW", False)])
+def test_convs_it_cannot_rewrite_are_left_whole(out_layout, constant_weight):
+    """Regions are joined on NCHW's H and W axes and cut from a constant kernel."""
+
+    def count(mod):
+        return len(op_calls(mod["main"], ("relax.nn.conv2d",)))
+
+    assert count(SplitConvAtBorders()(_aspp_function(out_layout, constant_weight))) == 1
+    assert count(SplitConvAtBorders()(_aspp_function())) == 9
 
 
 @pytest.mark.parametrize(

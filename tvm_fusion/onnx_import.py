@@ -72,8 +72,10 @@ class _Importer(frontend.ONNXGraphImporter):
         except ImportNodeError:
             raise
         except Exception as err:
-            node = self._node
-            name = node.name if node is not None else attrs.get("tvm_custom", {}).get("name", "")
+            name = attrs.get("tvm_custom", {}).get("name", "")
+            node = self._node  # not the node converted when it fails inside an If's branch
+            if node is None or (node.op_type, node.name) != (op_name, name):
+                node = None
             outputs = f", outputs {list(node.output)}" if node is not None else ""
             raise ImportNodeError(
                 f"node {name or '<unnamed>'!r} ({op_name}{outputs}): {last_line(err)}"

@@ -11,12 +11,12 @@ Order, and why:
    whose windows rounding up does not change loses the flag (and TOPI's padded copy of its input).
    ``TrimPaddingTaps``: conv taps that read only zero padding (DeepLabV3's ASPP, dilation 24 and 36
    on a 14x14 map) are dropped from the kernel, with the padding shrunk to match.
-   ``SplitConvAtBorders`` (CPU): a conv whose border outputs read fewer taps (DeepLabV3's
+   ``SimplifyUnitPermutes``: a transpose of size-1 axes only (ViT's seq-first attention at batch 1)
+   is a free reshape, moved in front of a layer norm so that the norm still fuses into its GEMM.
+   ``SplitConvAtBorders`` (CPU): a dilated conv whose border outputs read fewer taps (DeepLabV3's
    dilation-12 ASPP conv) is computed per output region with only that region's taps.
    ``LinearResizeAsMatmul`` (CPU): a bilinear resize of a small map (a segmentation head's
    logits) becomes two matmuls with constant interpolation matrices.
-   ``SimplifyUnitPermutes``: a transpose of size-1 axes only (ViT's seq-first attention at batch 1)
-   is a free reshape, moved in front of a layer norm so that the norm still fuses into its GEMM.
 3. ``HorizontalFuse``: sibling GEMMs/convs over one input become one (Q/K/V -> one GEMM + split).
    ``FuseAttention``: each attention block becomes one ``fused_attention`` function (after the
    QKV merge, which it looks through; before fusion, which would otherwise split the block).
