@@ -109,6 +109,25 @@ HF_OTHER = {  # name -> (model class, config class, config arguments, output att
     "segformer": ("SegformerForSemanticSegmentation", "SegformerConfig", {}, "logits", (1, 3, 224, 224)),
     "mobilevit": ("MobileViTModel", "MobileViTConfig", {}, "last_hidden_state", (1, 3, 256, 256)),
     "convnextv2": ("ConvNextV2Model", "ConvNextV2Config", {}, "pooler_output", (1, 3, 224, 224)),
+    # conv-attention hybrid with BatchNorm'd linears; pooling as token mixer; relative position
+    # bias; interpolated position embeddings; TF "same" padding
+    "levit": ("LevitModel", "LevitConfig", {}, "pooler_output", (1, 3, 224, 224)),
+    "poolformer": ("PoolFormerModel", "PoolFormerConfig", {}, "last_hidden_state", (1, 3, 224, 224)),
+    "beit": (
+        "BeitModel",
+        "BeitConfig",
+        dict(hidden_size=384, num_hidden_layers=4, num_attention_heads=6, intermediate_size=1536),
+        "last_hidden_state",
+        (1, 3, 224, 224),
+    ),
+    "dinov2": (
+        "Dinov2Model",
+        "Dinov2Config",
+        dict(hidden_size=384, num_hidden_layers=4, num_attention_heads=6, image_size=224),
+        "last_hidden_state",
+        (1, 3, 224, 224),
+    ),
+    "mobilenet_v2_hf": ("MobileNetV2Model", "MobileNetV2Config", {}, "pooler_output", (1, 3, 224, 224)),
 }
 SEQ2SEQ = ["bart"]
 MODELS = VISION + list(TEXT) + SEGMENTATION + VIDEO + list(HF_OTHER) + SEQ2SEQ

@@ -19,7 +19,9 @@ The stages are found by their ``tvm_fusion.winograd`` block annotations (FuseTIR
   and any other elementwise DAG with one result): inlined into one
   block computed right after each task's GEMM tiles (``reverse_compute_at``), so the α² × tile
   intermediate stays in a small per-task buffer, never in memory at full size; output channels
-  vectorized, the m×m positions of a tile unrolled (their coefficients fold).
+  vectorized, the m×m positions of a tile unrolled (their coefficients fold). A value the DAG
+  reads twice (SiLU's ``x``) is a stage of its own, a tile row at a time, so that the output
+  transform is not copied into each use (which cost LLVM 15 s per conv).
 
 Tunable decisions (:mod:`.knobs`): ``plan``, the cost model's n-th best micro-kernel (vt, rt);
 ``order``, channel blocks or tiles outermost in the parallel task loop; ``blocks``, how many
