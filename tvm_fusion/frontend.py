@@ -15,6 +15,7 @@ from tvm import relax
 
 from . import models
 from .errors import ModelLoadError, TvmFusionError, UnsupportedOpError, last_line
+from .onnx_fold_pads import fold_pads_into_convs
 from .onnx_import import from_onnx
 from .onnx_prepare import prepare_onnx
 
@@ -151,7 +152,8 @@ def check_onnx(model: onnx.ModelProto, where: str = "model") -> None:
 def import_onnx(source, name: str | None = None) -> ImportedModel:
     """Load (path or ModelProto), check and convert an ONNX model to a Relax IRModule.
 
-    Static shape arithmetic is folded first (:func:`prepare_onnx`); the model hash is taken on the
+    Static shape arithmetic is folded first (:func:`prepare_onnx`), then zero pads into the convs
+    they feed (:func:`fold_pads_into_convs`); the model hash is taken on the
     model as given, so tuning records stay keyed by the user's file.
     """
     if isinstance(source, onnx.ModelProto):
@@ -163,7 +165,7 @@ def import_onnx(source, name: str | None = None) -> ImportedModel:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            mod = from_onnx(prepare_onnx(model))
+            mod = from_onnx(fold_pads_into_convs(prepare_onnx(model)))
         except TvmFusionError as err:
             raise type(err)(f"{where}: {err}") from None
         except Exception as err:
