@@ -41,7 +41,7 @@ def _model(
             ]
         else:
             nodes.append(helper.make_node("MaxPool", ["p"], [f"y{i}"], kernel_shape=[2, 2]))
-        shape = [1, 8 if kind == "conv" else 4, 6, 6]  # with PADS: 12 x 13 padded
+        shape = [1, 8 if kind == "conv" else 4, 6, 6]  # with PADS: 12 x 13 padded (+ the conv's own)
         outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, shape))
     graph = helper.make_graph(
         nodes,
@@ -55,7 +55,7 @@ def _model(
     return model
 
 
-PADS = [0, 0, 1, 2, 0, 0, 2, 1]  # TF "same" for stride 2 is uneven: more after than before
+PADS = [0, 0, 1, 3, 0, 0, 2, 0]  # all four spatial pads differ: begins and ends cannot mix up
 
 
 @pytest.mark.parametrize(
@@ -73,12 +73,9 @@ def test_zero_pad_becomes_the_convs_padding_and_matches_onnxruntime(opset, axes,
     assert [n.op_type for n in folded.graph.node].count("Pad") == 0
     convs = [n for n in folded.graph.node if n.op_type == "Conv"]
     assert all(n.input[0] == "x" for n in convs)
-    # ONNX pads [h_begin, w_begin, h_end, w_end]: (1, 0, 0, 1) + (1, 2, 2, 1)
-    assert all(
-        list(helper.get_attribute_value(a)) == [2, 2, 2, 2]
-        for n in convs
-        for a in n.attribute
-        if a.name == "pads"
+    # Conv pads [h_begin, w_begin, h_end, w_end]: its own (1, 0, 0, 1) + the Pad's (1, 3, 2, 0)
+    assert [[list(a.ints) for a in n.attribute if a.name == "pads"] for n in convs] == [[[2, 3, 2, 1]]] * len(
+        convs
     )
     mod = import_onnx(model).mod  # the import folds it: no pad kernel left
     assert not [gv for gv, f in mod.functions_items() if not hasattr(f, "body") or "pad" in gv.name_hint]
@@ -97,11 +94,33 @@ def test_zero_pad_becomes_the_convs_padding_and_matches_onnxruntime(opset, axes,
         dict(mode="reflect"),
         dict(consumers=("conv", "pool")),  # a max pool's padding is -inf, not 0
         dict(axes=[2, 3], pads=[1, 1, 1, 1]),  # opset-18 axes subset: left to the frontend
+        dict(axes=[0, 1, 2], pads=[0, 0, 1, 0, 0, 2]),  # a leading prefix: H only, the conv has 2
+        dict(pads=[0, 0, -1, 0, 0, 0, 0, 0]),  # a crop
+        dict(opset=10, value=0.5),
+        dict(auto_pad=True),  # the conv's padding is SAME_UPPER, not a list to add to
+        dict(pad_is_output=True),
     ],
 )
 def test_other_pads_are_left_alone(case):
     args = {"pads": PADS, **case}
     if "axes" in case:
         args["opset"] = 18
+    auto_pad, pad_is_output = args.pop("auto_pad", False), args.pop("pad_is_output", False)
     model = _model(**args)
+    if auto_pad:
+        conv = next(n for n in model.graph.node if n.op_type == "Conv")
+        kept = [a for a in conv.attribute if a.name != "pads"]
+        del conv.attribute[:]
+        conv.attribute.extend([*kept, helper.make_attribute("auto_pad", "SAME_UPPER")])
+    if pad_is_output:
+        model.graph.output.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, 4, 12, 13]))
+    assert fold_pads_into_convs(model) is model
+
+
+def test_pad_read_inside_a_subgraph_is_kept():
+    """An If branch reading the Pad's output from the outer scope still finds it."""
+    model = _model(PADS)
+    out = helper.make_tensor_value_info("b", TensorProto.FLOAT, None)
+    branch = helper.make_graph([helper.make_node("Identity", ["p"], ["b"])], "branch", [], [out])
+    model.graph.node.append(helper.make_node("If", ["cond"], ["z"], then_branch=branch, else_branch=branch))
     assert fold_pads_into_convs(model) is model

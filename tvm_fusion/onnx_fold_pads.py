@@ -5,12 +5,13 @@ TensorFlow-style "same" padding (Hugging Face ``MobileNetV2Model``, ``tf_padding
 by the TorchScript exporter as a ``Pad`` before every strided conv (the dynamo exporter folds it).
 The Relax frontend imports ``Pad`` as an opaque TE kernel (``topi.nn.pad``): one more kernel and one
 more copy of the activation per conv, and on CUDA a pair of NCHW<->NHWC layout transforms around
-each (HF MobileNetV2: 106 kernels and 35 transforms against 54 and 1 from the dynamo export). A zero
+each (HF MobileNetV2: 106 kernels and 35 transforms against 53 and 1 from the dynamo export). A zero
 pad of H and W followed by a conv is that conv with more padding, which every conv lowering takes.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
@@ -27,33 +28,31 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> onnx.ModelProto:
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
-    outputs = {o.name for o in graph.output}
+    keep = {o.name for o in graph.output} | _read_in_subgraphs(graph)
     constants = {i.name: i for i in graph.initializer}
     opset = _default_opset(model)
-    folds = {}  # Pad node index -> (its input, spatial pads [begin..., end...])
-    for index, node in enumerate(graph.node):
-        if node.op_type != "Pad" or node.domain not in ("", "ai.onnx") or node.output[0] in outputs:
+    folds = {}  # Pad output -> (its input, spatial pads [begin..., end...])
+    for node in graph.node:
+        if node.op_type != "Pad" or node.domain not in ("", "ai.onnx") or node.output[0] in keep:
             continue
         users = consumers.get(node.output[0], [])
-        pads = _spatial_zero_pads(node, constants, opset)
-        if (
-            pads is None
-            or not users
-            or not all(_takes_padding(u, node.output[0], len(pads) // 2) for u in users)
-        ):
+        if not users or any(u.op_type != "Conv" for u in users):
             continue
-        folds[index] = (node.input[0], pads)
+        pads = _spatial_zero_pads(node, constants, opset)
+        if pads is not None and all(
+            _takes_padding(u, node.output[0], len(pads) // 2, constants) for u in users
+        ):
+            folds[node.output[0]] = (node.input[0], pads)
     if not folds:
         return model
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)
-    by_output = {graph.node[i].output[0]: fold for i, fold in folds.items()}
     kept = []
-    for index, node in enumerate(prepared.graph.node):
-        if index in folds:
+    for node in prepared.graph.node:
+        if node.op_type == "Pad" and node.output[0] in folds:
             continue
-        if node.op_type == "Conv" and node.input[0] in by_output:
-            source, extra = by_output[node.input[0]]
+        if node.op_type == "Conv" and node.input[0] in folds:
+            source, extra = folds[node.input[0]]
             node.input[0] = source
             attrs = {a.name: a for a in node.attribute}
             old = list(attrs["pads"].ints) if "pads" in attrs else [0] * len(extra)
@@ -64,7 +63,20 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> onnx.ModelProto:
         kept.append(node)
     del prepared.graph.node[:]
     prepared.graph.node.extend(kept)
+    kept_info = [v for v in prepared.graph.value_info if v.name not in folds]
+    del prepared.graph.value_info[:]
+    prepared.graph.value_info.extend(kept_info)
     return prepared
+
+
+def _read_in_subgraphs(graph: onnx.GraphProto) -> set[str]:
+    """Every name a node's subgraph (If / Loop / Scan bodies) reads, at any depth."""
+    names: set[str] = set()
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                names |= {i for n in sub.node for i in n.input} | _read_in_subgraphs(sub)
+    return names
 
 
 def _spatial_zero_pads(pad: onnx.NodeProto, constants, opset: int) -> list[int] | None:
@@ -80,7 +92,10 @@ def _spatial_zero_pads(pad: onnx.NodeProto, constants, opset: int) -> list[int] 
         if inputs[1] not in constants or (inputs[2] and inputs[2] not in constants):
             return None
         pads = [int(p) for p in numpy_helper.to_array(constants[inputs[1]]).ravel()]
-        value = float(numpy_helper.to_array(constants[inputs[2]]).ravel()[0]) if inputs[2] else 0.0
+        value = numpy_helper.to_array(constants[inputs[2]]) if inputs[2] else np.zeros(1)
+        if value.size != 1 or value.dtype.kind not in "fiu":
+            return None
+        value = float(value.ravel()[0])
         if inputs[3]:  # opset 18 axes: only the full, in-order form
             if inputs[3] not in constants:
                 return None
@@ -96,8 +111,9 @@ def _spatial_zero_pads(pad: onnx.NodeProto, constants, opset: int) -> list[int] 
     return begin[2:] + end[2:]
 
 
-def _takes_padding(node: onnx.NodeProto, name: str, spatial: int) -> bool:
-    """Whether ``node`` is a Conv reading ``name`` as its data only, with explicit padding."""
+def _takes_padding(node: onnx.NodeProto, name: str, spatial: int, constants) -> bool:
+    """Whether ``node`` is a Conv over ``spatial`` axes reading ``name`` as its data only, with
+    explicit padding."""
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or list(node.input).count(name) != 1:
         return False
     if node.input[0] != name:
@@ -105,5 +121,7 @@ def _takes_padding(node: onnx.NodeProto, name: str, spatial: int) -> bool:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
         return False
+    weight = constants.get(node.input[1])
+    rank = len(weight.dims) - 2 if weight is not None else len(attrs.get("kernel_shape", []))
     pads = attrs.get("pads")
-    return pads is None or len(pads) == 2 * spatial
+    return rank == spatial and (pads is None or len(pads) == 2 * spatial)

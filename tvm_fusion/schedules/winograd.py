@@ -19,9 +19,9 @@ The stages are found by their ``tvm_fusion.winograd`` block annotations (FuseTIR
   and any other elementwise DAG with one result): inlined into one
   block computed right after each task's GEMM tiles (``reverse_compute_at``), so the α² × tile
   intermediate stays in a small per-task buffer, never in memory at full size; output channels
-  vectorized, the m×m positions of a tile unrolled (their coefficients fold). A value the DAG
-  reads twice (SiLU's ``x``) is a stage of its own, a tile row at a time, so that the output
-  transform is not copied into each use (which cost LLVM 15 s per conv).
+  vectorized, the m×m positions of a tile unrolled (their coefficients fold). A value that feeds
+  two blocks (SiLU's ``x``) is a stage of its own, one output row of a tile at a time, so that
+  the output transform is not copied into each use (which cost LLVM 15 s per conv).
 
 Tunable decisions (:mod:`.knobs`): ``plan``, the cost model's n-th best micro-kernel (vt, rt);
 ``order``, channel blocks or tiles outermost in the parallel task loop; ``blocks``, how many
@@ -157,11 +157,15 @@ class Winograd(CpuRule):
         if epilogue is None:
             return None
         chain = [output, *epilogue]
-        # a value read twice (SiLU's x * sigmoid(x)) stays a stage: inlined, the output transform
-        # (a select over the tile's m x m positions of sums of up to α² terms) would be copied into
-        # every use, and LLVM took 15 s instead of 1.6 s on one 192->96 32x32 conv
+        # a value feeding two blocks (SiLU's x * sigmoid(x)) stays a stage: inlined, the output
+        # transform (a select over the tile's m x m positions of sums of up to α² terms) would be
+        # copied into every use, and LLVM took 15 s instead of 1.6 s on one 192->96 32x32 conv
         shared = {sch.get(b).name_hint for b in chain[:-1] if len(sch.get_consumers(b)) > 1}
-        kept = [b for b in chain[:-1] if sch.get(b).name_hint in shared]
+        order = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+        kept = sorted(
+            (b for b in chain[:-1] if sch.get(b).name_hint in shared),
+            key=lambda b: order.index(sch.get(b).name_hint),
+        )
         for blk in chain[:-1]:
             if sch.get(blk).name_hint not in shared:
                 sch.compute_inline(blk)
@@ -208,7 +212,7 @@ class Winograd(CpuRule):
         sch.unroll(h_i)
         sch.unroll(w_j)
         try_primitive(sch.vectorize, k_v or k_i)
-        for blk in reversed(kept):  # one tile row (m columns x the channel vector) at a time
+        for blk in reversed(kept):  # one output row of a tile (m columns x the channel vector) at a time
             sch.compute_at(blk, w_t, preserve_unit_loops=True)
             *_, k_s, _h_s, w_s = sch.get_loops(blk)
             sch.reorder(w_s, k_s)
