@@ -365,6 +365,40 @@ def test_patterns_match_ort_on_cuda(cuda_pattern):
 
 
 # -- the preparation step ----------------------------------------------------------------------
+def test_relative_position_bias_gather_is_folded_before_import():
+    """BEiT's relative position bias: a small table gathered over every query/key pair, then
+    reshaped and transposed. Its result (here 3 x 197 x 197) is larger than the small values
+    prepare_onnx keeps, but computed from small ones only: folded in numpy, not left to Relax's
+    FoldConstant (one LLVM build per op of the chain: 20 s of BEiT's build)."""
+    rng = np.random.default_rng(0)
+    n = 197
+    index = rng.integers(0, 40, (n * n,)).astype(np.int64)
+    nodes = [
+        helper.make_node("Gather", ["table", "index"], ["gathered"]),  # [n*n, 3]
+        helper.make_node("Reshape", ["gathered", "shape"], ["bias_nnh"]),
+        helper.make_node("Transpose", ["bias_nnh"], ["bias"], perm=[2, 0, 1]),  # [3, n, n]
+        helper.make_node("Add", ["scores", "bias"], ["y"]),
+    ]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 3, n, n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, n, n])],
+        [
+            _weight("table", 40, 3),
+            numpy_helper.from_array(index, "index"),
+            numpy_helper.from_array(np.array([n, n, 3], np.int64), "shape"),
+        ],
+    )
+    prepared = prepare_onnx(model)
+    assert [node.op_type for node in prepared.graph.node] == ["Add"]
+    feeds = {"scores": rng.standard_normal((1, 3, n, n)).astype(np.float32)}
+    result = tvm_fusion.build(model, "llvm", tuning_logs=None)
+    ours = relax.VirtualMachine(result.executable, tvm.cpu())["main"](
+        tvm.runtime.tensor(feeds["scores"])
+    ).numpy()
+    np.testing.assert_allclose(ours, ort_run(model, feeds), rtol=1e-6, atol=1e-6)
+
+
 def test_prepare_returns_a_model_with_nothing_to_fold_unchanged():
     model = _model(
         [helper.make_node("Relu", ["x"], ["y"], name="relu")],

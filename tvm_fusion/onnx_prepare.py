@@ -23,6 +23,11 @@ from onnx.reference import ReferenceEvaluator
 # Values up to this many elements are folded (shape vectors, masks, position ids); larger constants
 # are weights, left for the frontend and FoldConstant.
 FOLD_LIMIT = 1 << 16
+# A node whose inputs are all small may give a larger value: a relative-position table gathered
+# over every query/key pair (BEiT: 38809 x 6). Relax's FoldConstant would fold it anyway, with one
+# LLVM build per op of the chain (76 index checks alone: 20 s of BEiT's 21 s build); here it is
+# numpy. Up to 4M elements (16 MB of float32).
+FOLD_OUTPUT_LIMIT = 1 << 22
 # Fold rounds: a folded Reshape target gives a static shape to the next round's shape inference.
 MAX_ROUNDS = 8
 # Ops whose value is not a function of their inputs, or that hold subgraphs: never evaluated.
@@ -116,7 +121,7 @@ def _fold(node, known, shapes, partial, opset) -> list[np.ndarray] | None:
     except Exception:  # an op the reference evaluator lacks: leave it to the frontend
         return None
     values = [np.asarray(v) for v in values]
-    if any(v.size > FOLD_LIMIT or v.dtype == object for v in values):
+    if any(v.size > FOLD_OUTPUT_LIMIT or v.dtype == object for v in values):
         return None
     return values
 
