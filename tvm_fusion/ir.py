@@ -72,6 +72,18 @@ def graph_functions(mod: tvm.IRModule) -> Iterator[tuple[relax.GlobalVar, relax.
             yield gvar, func
 
 
+def rewrite_functions(mod: tvm.IRModule, names, applies, rewriter) -> tvm.IRModule:
+    """``mod`` with every graph function that calls an operator in ``names`` for which
+    ``applies(call)`` holds visited by ``rewriter(mod)`` (a ``PyExprMutator``); the others, and
+    ``mod`` itself when nothing applies, are left as they are."""
+    updates = {
+        gvar: rewriter(mod).visit_expr(func)
+        for gvar, func in graph_functions(mod)
+        if any(applies(call) for call in op_calls(func, names))
+    }
+    return with_functions(mod, updates)
+
+
 def with_functions(mod: tvm.IRModule, updates: dict) -> tvm.IRModule:
     """``mod`` with ``updates`` (global var -> function) put in; ``mod`` itself when there are none."""
     if not updates:

@@ -24,7 +24,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import dtype_of, graph_functions, op_calls, op_name, shape_dims, with_functions
+from ..ir import dtype_of, op_name, rewrite_functions, shape_dims
 from ..legalize.conv_args import out_dtype
 
 __all__ = ["LinearResizeAsMatmul", "interpolation_matrix"]
@@ -97,8 +97,4 @@ class LinearResizeAsMatmul:
     """Rewrite small bilinear NCHW resizes as ``A_h · X · A_wᵀ`` (see the module docstring)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {}
-        for gvar, func in graph_functions(mod):
-            if any(_matrices(call) is not None for call in op_calls(func, (_RESIZE,))):
-                updates[gvar] = _Rewriter(mod).visit_expr(func)
-        return with_functions(mod, updates)
+        return rewrite_functions(mod, (_RESIZE,), lambda call: _matrices(call) is not None, _Rewriter)

@@ -19,7 +19,7 @@ import re
 import tvm
 from tvm import relax
 
-from ..ir import graph_functions, op_calls, op_name, static_shape, with_functions
+from ..ir import op_name, rewrite_functions, static_shape
 
 __all__ = ["SimplifyPoolCeilMode"]
 
@@ -77,8 +77,4 @@ class SimplifyPoolCeilMode:
     """Rewrite ``ceil_mode=True`` pools whose ceil and floor windows coincide to ``ceil_mode=False``."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {}
-        for gvar, func in graph_functions(mod):
-            if any(ceil_mode_is_noop(call) for call in op_calls(func, _POOLS)):
-                updates[gvar] = _Rewriter(mod).visit_expr(func)
-        return with_functions(mod, updates)
+        return rewrite_functions(mod, _POOLS, ceil_mode_is_noop, _Rewriter)

@@ -26,7 +26,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import graph_functions, op_calls, op_name, shape_dims, with_functions
+from ..ir import op_name, rewrite_functions, shape_dims
 
 __all__ = ["MAX_BANDS", "MAX_WORK", "Band", "SplitConvAtBorders", "tap_bands"]
 
@@ -140,8 +140,4 @@ class SplitConvAtBorders:
     """Split a conv into output regions that each keep only their taps (see the module docstring)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {}
-        for gvar, func in graph_functions(mod):
-            if any(_plan(call) is not None for call in op_calls(func, (_CONV2D,))):
-                updates[gvar] = _Rewriter(mod).visit_expr(func)
-        return with_functions(mod, updates)
+        return rewrite_functions(mod, (_CONV2D,), lambda call: _plan(call) is not None, _Rewriter)
