@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .onnx_prepare import _default_opset
+from .onnx_prepare import default_opset
 
 __all__ = ["fold_pads_into_convs"]
 
@@ -30,7 +30,7 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> onnx.ModelProto:
             consumers.setdefault(name, []).append(node)
     keep = {o.name for o in graph.output} | _read_in_subgraphs(graph)
     constants = {i.name: i for i in graph.initializer}
-    opset = _default_opset(model)
+    opset = default_opset(model)
     folds = {}  # Pad output -> (its input, spatial pads [begin..., end...])
     for node in graph.node:
         if node.op_type != "Pad" or node.domain not in ("", "ai.onnx") or node.output[0] in keep:

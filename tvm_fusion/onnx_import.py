@@ -19,6 +19,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as frontend
 
 from .errors import UnsupportedOpError, last_line
+from .onnx_prepare import default_opset
 
 
 class ImportNodeError(UnsupportedOpError):
@@ -84,7 +85,7 @@ class _Importer(frontend.ONNXGraphImporter):
 
 def from_onnx(model: onnx.ModelProto) -> tvm.IRModule:
     """``tvm.relax.frontend.onnx.from_onnx(model, keep_params_in_input=False)``, with our converters."""
-    opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 1)
+    opset = default_opset(model)
     importer = _Importer(keep_params_in_input=False)
     # the frontend prints every failing node's inputs (whole constant arrays) before re-raising
     with contextlib.redirect_stdout(io.StringIO()):

@@ -48,7 +48,7 @@ _NOT_FOLDABLE = {
 
 def prepare_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with its static shape subgraphs folded into initializers (``model`` itself is not changed)."""
-    opset = _default_opset(model)
+    opset = default_opset(model)
     graph = model.graph
     outputs = {o.name for o in graph.output}
     big = {i.name for i in graph.initializer if _numel(i.dims) > FOLD_LIMIT}
@@ -169,7 +169,8 @@ def _numel(dims) -> int:
     return int(np.prod(list(dims), dtype=np.int64)) if len(dims) else 1
 
 
-def _default_opset(model: onnx.ModelProto) -> int:
+def default_opset(model: onnx.ModelProto) -> int:
+    """The version of the default ONNX domain the model imports (1 if it declares none)."""
     for entry in model.opset_import:
         if entry.domain in ("", "ai.onnx"):
             return entry.version
