@@ -45,37 +45,26 @@ def _busy_process(load: str) -> subprocess.Popen | None:
 
 def measure(onnx_path: str, library: str, load: str, runs: int) -> tuple[float, float]:
     """Median ms of ORT and of the exported library, interleaved, under ``load`` (child process)."""
-    import numpy as np  # noqa: PLC0415
     import onnx  # noqa: PLC0415
     import tvm  # noqa: PLC0415
 
     from tvm_fusion import models  # noqa: PLC0415  (after the env the parent chose)
-    from tvm_fusion.benchmark import ort_variant  # noqa: PLC0415
+    from tvm_fusion.benchmark import interleaved_ms, ort_variant  # noqa: PLC0415
 
     model = onnx.load(onnx_path)
     feeds = models.random_inputs(model)
     ort = ort_variant(model, feeds, os.cpu_count() or 1)
     vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(library), tvm.cpu())
     args = [tvm.runtime.tensor(v) for v in feeds.values()]
-    fns = [ort.run, lambda: vm["main"](*args)]
-    for fn in fns:
-        fn()
     busy = _busy_process(load)
-    times = [[], []]
     try:
         time.sleep(0.5)
-        for block in range(4):
-            for i in (0, 1) if block % 2 == 0 else (1, 0):
-                time.sleep(0.2)  # ORT's spinning workers would slow whoever runs next
-                for _ in range(max(1, runs // 4)):
-                    start = time.perf_counter()
-                    fns[i]()
-                    times[i].append((time.perf_counter() - start) * 1e3)
+        ms_ort, ms_ours = interleaved_ms([ort.run, lambda: vm["main"](*args)], runs)
     finally:
         if busy is not None:
             busy.kill()
             busy.wait()
-    return float(np.median(times[0])), float(np.median(times[1]))
+    return ms_ort, ms_ours
 
 
 def _child(argv: list[str]) -> int:

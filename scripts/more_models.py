@@ -12,7 +12,7 @@ out-of-memory kill costs one row):
     python scripts/more_models.py --models llama,swin_t --exporters dynamo
 
 Each row: export, llvm build, max |ours - ORT| / max |ORT|, then ours and ORT timed interleaved in
-one process (``zoo._interleaved_ms``), both with the target's cores. Exports are cached under
+one process (``tvm_fusion.benchmark.interleaved_ms``), both with the target's cores. Exports are cached under
 ``--cache`` (default: $TVM_FUSION_MORE or /work/zoo/more) as ``<model>.<exporter>.onnx``: delete
 a file after changing its model's config. Rows go to ``docs/more_models.json`` as they finish;
 ``--report`` rewrites the table from it (``--note`` adds a sentence about the run).
@@ -248,7 +248,7 @@ def check_one(name: str, exporter: str, cache: Path, runs: int) -> dict:
     import tvm
 
     from tvm_fusion import build
-    from tvm_fusion.benchmark import ort_variant
+    from tvm_fusion.benchmark import interleaved_ms, ort_variant
     from tvm_fusion.targets import llvm_target
 
     row = {"model": name, "exporter": exporter}
@@ -284,7 +284,7 @@ def check_one(name: str, exporter: str, cache: Path, runs: int) -> dict:
     args = [tvm.runtime.tensor(v) for v in feeds.values()]
     row["rel_err"] = zoo.relative_error(vm, args, reference)
     if runs:
-        row["ms_ort"], row["ms_ours"] = zoo._interleaved_ms([ort.run, lambda: vm["main"](*args)], runs)
+        row["ms_ort"], row["ms_ours"] = interleaved_ms([ort.run, lambda: vm["main"](*args)], runs)
     return row
 
 

@@ -277,7 +277,7 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
     import tvm
 
     from tvm_fusion import build
-    from tvm_fusion.benchmark import ort_variant
+    from tvm_fusion.benchmark import interleaved_ms, ort_variant
     from tvm_fusion.profiling import kernel_times
     from tvm_fusion.targets import llvm_target
 
@@ -314,7 +314,7 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
             args = [tvm.runtime.tensor(v) for v in feeds.values()]
             save(rel_err=relative_error(vm, args, reference))
             if timing:
-                ms_ort, ms_ours = _interleaved_ms([ort.run, lambda: vm["main"](*args)], runs)
+                ms_ort, ms_ours = interleaved_ms([ort.run, lambda: vm["main"](*args)], runs)
                 top = kernel_times(vm, args, repeat=3)[:5]
                 save(
                     ms_ort=ms_ort,
@@ -358,30 +358,6 @@ def relative_error(vm, args, reference: np.ndarray) -> float:
             "the comparison would check nothing"
         )
     return float(np.max(np.abs(ours - reference)) / scale)
-
-
-BLOCK_RUNS = 5  # runs of one function in a row
-
-
-def _interleaved_ms(fns, runs: int) -> list[float]:
-    """Median ms of each function, timed side by side in alternating blocks of ``BLOCK_RUNS``
-    runs (noise hits all alike: this VM has slow phases of minutes, and with three long blocks
-    one of them could fall into a phase the other missed)."""
-    times = [[] for _ in fns]
-    for fn in fns:  # warm-up
-        fn()
-        fn()
-    rounds = max(3, -(-runs // BLOCK_RUNS))
-    per_round = max(1, runs // rounds)
-    for r in range(rounds):
-        order = list(range(len(fns))) if r % 2 == 0 else list(range(len(fns)))[::-1]
-        for i in order:
-            time.sleep(0.2)  # ORT's spinning worker threads would slow whoever runs next
-            for _ in range(per_round):
-                start = time.perf_counter()
-                fns[i]()
-                times[i].append((time.perf_counter() - start) * 1e3)
-    return [round(float(np.median(t)), 3) for t in times]
 
 
 def _one_line(err: BaseException) -> str:

@@ -58,6 +58,30 @@ def _timings_ms(fn: Callable[[], None], runs: int, warmup: int) -> list[float]:
     return times
 
 
+BLOCK_RUNS = 5  # runs of one function in a row
+
+
+def interleaved_ms(fns: list[Callable[[], None]], runs: int) -> list[float]:
+    """Median ms of each function, timed side by side in alternating blocks of ``BLOCK_RUNS``
+    runs (noise hits all alike: this VM has slow phases of minutes, and with three long blocks
+    one of them could fall into a phase the other missed)."""
+    times = [[] for _ in fns]
+    for fn in fns:  # warm-up
+        fn()
+        fn()
+    rounds = max(3, -(-runs // BLOCK_RUNS))
+    per_round = max(1, runs // rounds)
+    for r in range(rounds):
+        order = list(range(len(fns))) if r % 2 == 0 else list(range(len(fns)))[::-1]
+        for i in order:
+            time.sleep(0.2)  # ORT's spinning worker threads would slow whoever runs next
+            for _ in range(per_round):
+                start = time.perf_counter()
+                fns[i]()
+                times[i].append((time.perf_counter() - start) * 1e3)
+    return [round(float(np.median(t)), 3) for t in times]
+
+
 def _stats(times: list[float]) -> tuple[float, float]:
     return float(np.median(times)), float(np.percentile(times, 90))
 
