@@ -7,7 +7,10 @@ Order, and why:
 1. ``FoldBatchNorm`` + ``FoldConstant``: BN disappears into conv/matmul weights before anything
    counts ops, so fusion and layout see the real compute graph.
 2. ``CanonicalizeActivations``: exporters spell GELU/SiLU/HardSwish as arithmetic; one op fuses
-   as an epilogue, five ops with a diamond do not. ``SimplifyPoolCeilMode``: a ``ceil_mode`` pool
+   as an epilogue, five ops with a diamond do not. ``RecognizeGroupNorm``: torch's GroupNorm /
+   InstanceNorm exports (reshape, mean, variance, reshape back, affine) become one ``group_norm``,
+   which a layout region can cross (``DecomposeGroupNorm`` expands it again after step 4).
+   ``SimplifyPoolCeilMode``: a ``ceil_mode`` pool
    whose windows rounding up does not change loses the flag (and TOPI's padded copy of its input).
    ``TrimPaddingTaps``: conv taps that read only zero padding (DeepLabV3's ASPP, dilation 24 and 36
    on a 14x14 map) are dropped from the kernel, with the padding shrunk to match.
@@ -51,12 +54,14 @@ from .passes import (
     ApplyFusionPolicy,
     BindUnknownShapes,
     CanonicalizeActivations,
+    DecomposeGroupNorm,
     FoldBatchNorm,
     FuseAttention,
     HorizontalFuse,
     LinearResizeAsMatmul,
     MarkSingleBufferNoAlias,
     PadConvChannels,
+    RecognizeGroupNorm,
     RewriteLayout,
     SimplifyPoolCeilMode,
     SimplifyUnitPermutes,
@@ -124,7 +129,13 @@ def pipeline_stages(
     rewrite: list[tvm.transform.Pass] = [BindUnknownShapes()]
     if fold_batch_norm:
         rewrite += [FoldBatchNorm(), relax.transform.FoldConstant()]
-    rewrite += [CanonicalizeActivations(), SimplifyPoolCeilMode(), TrimPaddingTaps(), SimplifyUnitPermutes()]
+    rewrite += [
+        CanonicalizeActivations(),
+        RecognizeGroupNorm(),
+        SimplifyPoolCeilMode(),
+        TrimPaddingTaps(),
+        SimplifyUnitPermutes(),
+    ]
     if target.kind.name == "llvm":  # GPU: not measured
         rewrite += [SplitConvAtBorders(), LinearResizeAsMatmul()]
     if horizontal:
@@ -136,6 +147,7 @@ def pipeline_stages(
     if layout:
         chosen = PIPELINE_LAYOUT.get(target.kind.name, "auto") if layout is True else layout
         rewrite += [RewriteLayout(target, chosen), relax.transform.FoldConstant()]
+    rewrite.append(DecomposeGroupNorm())  # in the layout it now has
     rewrite.append(PadConvChannels(target))  # whole vectors of output channels (CPU, NCHW)
     fuse = [ApplyFusionPolicy(policy, target)] if fusion else []
     fuse += [

@@ -3,12 +3,14 @@
 from .apply_fusion_policy import ApplyFusionPolicy, explain, plan_module
 from .bind_unknown_shapes import BindUnknownShapes
 from .canonicalize_activations import CanonicalizeActivations
+from .decompose_group_norm import DecomposeGroupNorm
 from .fold_batch_norm import FoldBatchNorm
 from .fold_constant_calls import FoldConstantCalls
 from .fuse_attention import FuseAttention, attention_decisions
 from .horizontal_fuse import HorizontalFuse
 from .mark_single_buffer_noalias import MarkSingleBufferNoAlias
 from .pad_conv_channels import PadConvChannels
+from .recognize_group_norm import RecognizeGroupNorm
 from .resize_as_matmul import LinearResizeAsMatmul
 from .rewrite_layout import RewriteLayout, count_layout_transforms
 from .simplify_pool_ceil_mode import SimplifyPoolCeilMode
@@ -21,6 +23,7 @@ __all__ = [
     "ApplyFusionPolicy",
     "BindUnknownShapes",
     "CanonicalizeActivations",
+    "DecomposeGroupNorm",
     "FoldBatchNorm",
     "FoldConstantCalls",
     "FuseAttention",
@@ -28,6 +31,7 @@ __all__ = [
     "LinearResizeAsMatmul",
     "MarkSingleBufferNoAlias",
     "PadConvChannels",
+    "RecognizeGroupNorm",
     "RewriteLayout",
     "SimplifyPoolCeilMode",
     "SimplifyUnitPermutes",

@@ -449,6 +449,8 @@ class _LayoutRewriter(relax.PyExprMutator):
             if lay.block:
                 pooled = relax.op.reshape(self.builder_.emit(pooled), out_shape)
             return None, pooled
+        if name == "relax.nn.group_norm":
+            return self._group_norm(call)
         if out_shape is None or len(out_shape) != 4:
             return None
         if name in _UNARY:
@@ -495,6 +497,29 @@ class _LayoutRewriter(relax.PyExprMutator):
                 kw["count_include_pad"] = bool(call.attrs.count_include_pad)
             return lay, fn(x, **kw)
         return None
+
+    def _group_norm(self, call):
+        """Channels-last group norm: the same groups of consecutive channels, found on the last
+        axis (NCHW{b}c would split a group over two axes: not converted)."""
+        lay = self._native_layout(call.args[0])
+        a = call.attrs
+        rank = lay.rank if lay is not None else 0
+        if lay is None or lay.block or lay.spatial != rank - 2 or int(a.channel_axis) % rank != 1:
+            return None
+        if sorted(int(v) % rank for v in a.axes) != list(range(2, rank)):
+            return None
+        gamma, beta = (self.visit_expr(v) for v in call.args[1:])
+        return lay, relax.op.nn.group_norm(
+            self._in(call.args[0], lay),
+            gamma,
+            beta,
+            num_groups=int(a.num_groups),
+            channel_axis=rank - 1,
+            axes=list(range(1, rank - 1)),
+            epsilon=float(a.epsilon),
+            center=bool(a.center),
+            scale=bool(a.scale),
+        )
 
     def _conv2d(self, call):
         a = call.attrs
