@@ -421,6 +421,16 @@ def _patch_embedding():
     return g.finish([g.layer_norm(tokens, 32)])
 
 
+def _tokens_to_image():
+    """SegFormer's hand-over from a transformer stage to a conv: tokens [N, H*W, C] transposed to
+    [N, C, H*W], reshaped to [N, C, H, W]; after the conv, back to tokens the ViT way."""
+    g = models.GraphBuilder("tokens", 0)
+    tokens = g.input("input", (1, 36, 16))
+    image = g.reshape(g.transpose(tokens, [0, 2, 1]), [1, 16, 6, 6])
+    h = g.relu(g.conv(image, 16, 16, k=3))
+    return g.finish([g.transpose(g.reshape(h, [1, 16, 36]), [0, 2, 1])])
+
+
 @pytest.mark.parametrize(
     "builder,layout,edges",
     [
@@ -430,6 +440,7 @@ def _patch_embedding():
         (functools.partial(_shuffle_unit, chunk_as_slices=True), "NHWC", 1),
         (_convnext_block, "NHWC", 2),
         (_patch_embedding, "NHWC", 1),
+        (_tokens_to_image, "NHWC", 0),
     ],
     ids=[
         "fire_concat_nhwc",
@@ -438,6 +449,7 @@ def _patch_embedding():
         "channel_shuffle_slices_nhwc",
         "convnext_permute_nhwc",
         "vit_patch_tokens_nhwc",
+        "segformer_tokens_to_image_nhwc",
     ],
 )
 def test_concat_split_shuffle_and_permutes_stay_in_the_region(builder, layout, edges):

@@ -689,6 +689,8 @@ class _LayoutRewriter(relax.PyExprMutator):
         spatial dims merged into one (``[N, C, H, W] -> [N, C, H*W]``)."""
         lay = self._native_layout(call.args[0])
         shape = static_shape(call.args[0])
+        if lay is None and self.layout.block == 0:
+            return self._tokens_as_image(call, out_shape)
         if lay is None or lay.block or shape is None or out_shape is None or len(out_shape) < 3:
             return None
         sp, r = lay.spatial, lay.rank
@@ -701,6 +703,24 @@ class _LayoutRewriter(relax.PyExprMutator):
             new = lay.with_rank(len(out_shape), spatial=1)
             return new, relax.op.reshape(x, [shape[0], out_shape[-1], *channels])
         return None
+
+    def _tokens_as_image(self, call, out_shape):
+        """``reshape(permute_dims(t, [0, 2, 1]), [N, C, H, W])`` of tokens ``t`` ``[N, H*W, C]``
+        (SegFormer, MobileViT: a transformer stage handing its tokens to a conv): in NHWC that
+        is ``reshape(t, [N, H, W, C])``, no data moved. Adopted like the model's own permutes."""
+        source = self.visit_expr(call.args[0])
+        permute = self.lookup_binding(source) if isinstance(source, relax.Var) else None
+        if op_name(permute) != "relax.permute_dims" or permute.attrs.axes is None:
+            return None
+        tokens = permute.args[0]
+        shape = static_shape(tokens)
+        if [int(a) for a in permute.attrs.axes] != [0, 2, 1] or shape is None or len(shape) != 3:
+            return None
+        if out_shape is None or len(out_shape) != 4 or list(out_shape[:2]) != [shape[0], shape[2]]:
+            return None
+        n, c, h, w = out_shape
+        self.adopted.add(self._current_var)
+        return self.layout, relax.op.reshape(tokens, [n, h, w, c])
 
     def _permute_dims(self, call, out_shape):
         x = call.args[0]
