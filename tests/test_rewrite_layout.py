@@ -431,6 +431,17 @@ def _tokens_to_image():
     return g.finish([g.transpose(g.reshape(h, [1, 16, 36]), [0, 2, 1])])
 
 
+def _upsample_concat(mode="linear"):
+    """SegFormer's decode head: a smaller map resized up to the larger one, concatenated, fused by a conv."""
+    g = models.GraphBuilder("upsample", 0)
+    x = g.input("input", (1, 3, 8, 8))
+    big = g.conv(x, 3, 16, k=3)
+    small = g.conv(big, 16, 16, k=3, stride=2)
+    sizes = g.const("sizes", np.array([1, 16, 8, 8], np.int64))
+    up = g.op("Resize", [small, "", "", sizes], mode=mode, coordinate_transformation_mode="half_pixel")
+    return g.finish([g.conv(g.op("Concat", [up, big], axis=1), 32, 8, k=1)])
+
+
 @pytest.mark.parametrize(
     "builder,layout,edges",
     [
@@ -441,6 +452,8 @@ def _tokens_to_image():
         (_convnext_block, "NHWC", 2),
         (_patch_embedding, "NHWC", 1),
         (_tokens_to_image, "NHWC", 0),
+        (_upsample_concat, "NHWC", 2),
+        (functools.partial(_upsample_concat, mode="nearest"), "NHWC", 2),
     ],
     ids=[
         "fire_concat_nhwc",
@@ -450,6 +463,8 @@ def _tokens_to_image():
         "convnext_permute_nhwc",
         "vit_patch_tokens_nhwc",
         "segformer_tokens_to_image_nhwc",
+        "resize_linear_nhwc",
+        "resize_nearest_nhwc",
     ],
 )
 def test_concat_split_shuffle_and_permutes_stay_in_the_region(builder, layout, edges):

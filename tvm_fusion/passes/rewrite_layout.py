@@ -461,6 +461,8 @@ class _LayoutRewriter(relax.PyExprMutator):
             return lay, relax.Call(call.op, [self._in(call.args[0], lay)] + rest, call.attrs)
         if name in _BINARY:
             return self._binary(call, out_shape)
+        if name == "relax.image.resize2d":
+            return self._resize2d(call)
         if name in _POOL:
             lay = self._native_layout(call.args[0])
             if (
@@ -497,6 +499,27 @@ class _LayoutRewriter(relax.PyExprMutator):
                 kw["count_include_pad"] = bool(call.attrs.count_include_pad)
             return lay, fn(x, **kw)
         return None
+
+    def _resize2d(self, call):
+        """NHWC resize (SegFormer's decode head upsamples each stage before a concat and a conv);
+        TOPI's resize2d takes the layout as an attribute."""
+        lay = self._native_layout(call.args[0])
+        a = call.attrs
+        if lay is None or lay != _Layout(0) or str(a.layout) != "NCHW":
+            return None
+        return lay, relax.op.image.resize2d(
+            self._in(call.args[0], lay),
+            self.visit_expr(call.args[1]),
+            roi=[float(v) for v in a.roi],
+            layout="NHWC",
+            method=str(a.method),
+            coordinate_transformation_mode=str(a.coordinate_transformation_mode),
+            rounding_method=str(a.rounding_method),
+            cubic_alpha=float(a.cubic_alpha),
+            cubic_exclude=int(a.cubic_exclude),
+            extrapolation_value=float(a.extrapolation_value),
+            out_dtype=a.out_dtype if a.out_dtype is not None and str(a.out_dtype) else None,
+        )
 
     def _group_norm(self, call):
         """Channels-last group norm: the same groups of consecutive channels, found on the last
