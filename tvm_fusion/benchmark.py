@@ -61,25 +61,29 @@ def _timings_ms(fn: Callable[[], None], runs: int, warmup: int) -> list[float]:
 BLOCK_RUNS = 5  # runs of one function in a row
 
 
-def interleaved_ms(fns: list[Callable[[], None]], runs: int) -> list[float]:
-    """Median ms of each function, timed side by side in alternating blocks of ``BLOCK_RUNS``
-    runs (noise hits all alike: this VM has slow phases of minutes, and with three long blocks
-    one of them could fall into a phase the other missed)."""
-    times = [[] for _ in fns]
-    for fn in fns:  # warm-up
-        fn()
-        fn()
-    rounds = max(3, -(-runs // BLOCK_RUNS))
+def interleaved_times(
+    fns: list[Callable[[], None]], runs: int, rounds: int | None = None, warmup: int = 2
+) -> list[list[float]]:
+    """Each function's run times (ms), timed side by side: ``rounds`` blocks of each in turn
+    (default: blocks of ``BLOCK_RUNS``, at least 3), the order reversed every other round, after
+    ``warmup`` runs of each (and one untimed run before each later block). Noise then hits all alike: this VM has slow phases of minutes, and with
+    three long blocks one of them could fall into a phase the other missed."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    rounds = rounds or max(3, -(-runs // BLOCK_RUNS))
     per_round = max(1, runs // rounds)
     for r in range(rounds):
-        order = list(range(len(fns))) if r % 2 == 0 else list(range(len(fns)))[::-1]
-        for i in order:
+        for i in range(len(fns)) if r % 2 == 0 else reversed(range(len(fns))):
             time.sleep(0.2)  # ORT's spinning worker threads would slow whoever runs next
-            for _ in range(per_round):
-                start = time.perf_counter()
-                fns[i]()
-                times[i].append((time.perf_counter() - start) * 1e3)
-    return [round(float(np.median(t)), 3) for t in times]
+            times[i] += _timings_ms(fns[i], per_round, warmup=1 if r else 0)
+    return times
+
+
+def interleaved_ms(fns: list[Callable[[], None]], runs: int) -> list[float]:
+    """Median ms of each function, timed by :func:`interleaved_times`."""
+    return [round(float(np.median(t)), 3) for t in interleaved_times(fns, runs)]
 
 
 def _stats(times: list[float]) -> tuple[float, float]:
@@ -271,13 +275,9 @@ def benchmark_model(
             )
         )
 
-    per_round = max(1, runs // rounds)
-    for r in range(rounds):
-        # Alternate the order each round, and pause between blocks: ORT's worker threads keep
-        # spinning for a while after a run and would slow whichever variant comes next.
-        for variant in built if r % 2 == 0 else built[::-1]:
-            time.sleep(0.2)
-            variant.times += _timings_ms(variant.run, per_round, warmup if r == 0 else 1)
+    timings = interleaved_times([v.run for v in built], runs, rounds=rounds, warmup=warmup)
+    for variant, times in zip(built, timings, strict=True):
+        variant.times = times
 
     rows = []
     for variant in built:

@@ -17,7 +17,7 @@ from . import models
 from .errors import ModelLoadError, TvmFusionError, UnsupportedOpError, last_line
 from .onnx_fold_pads import fold_pads_into_convs
 from .onnx_import import from_onnx
-from .onnx_prepare import prepare_onnx
+from .onnx_prepare import default_opset, prepare_onnx
 
 # The Relax ONNX frontend implements converters back to opset 1 for most ops, but models older
 # than opset 7 use semantics (e.g. BatchNormalization's spatial/is_test attrs) it does not model.
@@ -107,7 +107,7 @@ def check_onnx(model: onnx.ModelProto, where: str = "model") -> None:
         raise ModelLoadError(
             f"{where}: the ONNX graph has no nodes and no outputs (empty or truncated file?)"
         )
-    opset = _default_opset(model)
+    opset = default_opset(model, missing=None)
     if opset is None:
         raise ModelLoadError(
             f"{where}: the model declares no ONNX opset (opset_import has no entry for the default "
@@ -178,13 +178,6 @@ def import_onnx(source, name: str | None = None) -> ImportedModel:
         outputs=_value_specs(model, model.graph.output),
         onnx_model=model,
     )
-
-
-def _default_opset(model: onnx.ModelProto) -> int | None:
-    for entry in model.opset_import:
-        if entry.domain in ("", "ai.onnx"):
-            return entry.version
-    return None
 
 
 def _supported_ops() -> set[str] | None:

@@ -169,9 +169,9 @@ def _numel(dims) -> int:
     return int(np.prod(list(dims), dtype=np.int64)) if len(dims) else 1
 
 
-def default_opset(model: onnx.ModelProto) -> int:
-    """The version of the default ONNX domain the model imports (1 if it declares none)."""
+def default_opset(model: onnx.ModelProto, missing: int | None = 1) -> int | None:
+    """The version of the default ONNX domain the model imports (``missing`` if it declares none)."""
     for entry in model.opset_import:
         if entry.domain in ("", "ai.onnx"):
             return entry.version
-    return 1
+    return missing
