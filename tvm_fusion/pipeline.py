@@ -10,8 +10,8 @@ Order, and why:
    as an epilogue, five ops with a diamond do not. ``RecognizeGroupNorm``: torch's GroupNorm /
    InstanceNorm exports (reshape, mean, variance, reshape back, affine) become one ``group_norm``,
    which a layout region can cross (``DecomposeGroupNorm`` expands it again after step 4).
-   ``SimplifyPoolCeilMode``: a ``ceil_mode`` pool
-   whose windows rounding up does not change loses the flag (and TOPI's padded copy of its input).
+   ``SimplifyPoolCeilMode``: a ``ceil_mode`` pool whose windows rounding up does not change
+   loses the flag (and TOPI's padded copy of its input).
    ``TrimPaddingTaps``: conv taps that read only zero padding (DeepLabV3's ASPP, dilation 24 and 36
    on a 14x14 map) are dropped from the kernel, with the padding shrunk to match.
    ``SimplifyUnitPermutes``: a transpose of size-1 axes only (ViT's seq-first attention at batch 1)

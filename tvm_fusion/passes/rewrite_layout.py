@@ -729,7 +729,7 @@ class _LayoutRewriter(relax.PyExprMutator):
 
     def _tokens_as_image(self, call, out_shape):
         """``reshape(permute_dims(t, [0, 2, 1]), [N, C, H, W])`` of tokens ``t`` ``[N, H*W, C]``
-        (SegFormer, MobileViT: a transformer stage handing its tokens to a conv): in NHWC that
+        (SegFormer: a transformer stage handing its tokens to a conv): in NHWC that
         is ``reshape(t, [N, H, W, C])``, no data moved. Adopted like the model's own permutes."""
         source = self.visit_expr(call.args[0])
         permute = self.lookup_binding(source) if isinstance(source, relax.Var) else None
