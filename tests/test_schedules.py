@@ -389,6 +389,34 @@ def test_pool_pads_each_output_row_in_its_parallel_iteration(pool):
     assert pad_outer.kind == tirx.ForKind.PARALLEL and pad_outer.same_as(pool_outer), names
 
 
+def test_pool_epilogue_chain_runs_per_row():
+    """PoolFormer's token mixer ``(avg_pool(x) - x) * s + y``: every epilogue block runs in the
+    pool's parallel row loop (they were whole-tensor passes over materialised intermediates), and
+    the stride-1 window's column loop is innermost (contiguous), the window taps outside it."""
+    scale, channels = _rand(8, 1, 1), 8
+
+    def body(bb, x, y):
+        pooled = bb.emit(
+            relax.op.nn.avg_pool2d(x, pool_size=3, strides=1, padding=1, count_include_pad=False)
+        )
+        mixed = bb.emit(relax.op.multiply(relax.const(scale), relax.op.subtract(pooled, x)))
+        return relax.op.add(y, mixed)
+
+    shape = (1, channels, 14, 14)
+    mod = _module({"x": shape, "y": shape}, body)
+    sched = _check(mod, [_rand(*shape), _rand(*shape)], need_vector=False)
+    (func,) = _prim_funcs(sched).values()
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    names = _block_names(func)
+    outer = {sch.get(sch.get_loops(sch.get_sblock(n))[0]) for n in names}
+    assert len(outer) == 1 and next(iter(outer)).kind == tirx.ForKind.PARALLEL, names
+    (update,) = [n for n in names if n.endswith("_update")]
+    innermost = sch.get(sch.get_loops(sch.get_sblock(update))[-1])
+    assert int(innermost.extent) == 14, innermost  # the output columns, not a 3-tap window loop
+
+
 def test_elementwise_chain():
     def body(bb, x, y):
         return relax.op.nn.relu(relax.op.multiply(relax.op.add(x, y), relax.const(np.float32(0.5))))
