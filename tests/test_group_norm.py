@@ -153,3 +153,57 @@ def test_intermediate_read_elsewhere_is_left_alone():
     got = run_outputs(tvm_fusion.build(model, "llvm", tuning_logs=None).executable, feeds)
     for ours, ref in zip(got, ort_outputs(model, feeds), strict=True):
         np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_symbolic_batch_is_left_alone():
+    """BindUnknownShapes gives data-dependent tensors symbolic dims: no match, and no error."""
+    n = tvm.tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n, 4, 5, 5), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            mean = bb.emit(relax.op.mean(x, axis=[2, 3], keepdims=True))
+            var = bb.emit(relax.op.variance(x, axis=[2, 3], keepdims=True))
+            eps = relax.const(np.float32(1e-5))
+            scale = bb.emit(relax.op.sqrt(bb.emit(relax.op.add(var, eps))))
+            out = bb.emit_output(relax.op.divide(bb.emit(relax.op.subtract(x, mean)), scale))
+        bb.emit_func_output(out)
+    mod = RecognizeGroupNorm()(bb.get())
+    assert _ops(mod, "relax.nn.group_norm") == 0 and _ops(mod, "relax.variance") == 1
+
+
+def test_rank3_group_norm_and_a_non_channel_constant():
+    """wav2vec2's GroupNorm over [N, C, T] (Conv1d); a constant after it that varies along T is
+    not a per-channel affine: it stays a multiply, the norm is still recognized."""
+    rng = np.random.default_rng(0)
+    c, t, groups = 8, 20, 4
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((c, c, 3)) * 0.3).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array([1, groups, -1], np.int64), "grouped"),
+        numpy_helper.from_array(np.array([1, c, t], np.int64), "shape"),
+        numpy_helper.from_array(rng.uniform(0.5, 2, groups).astype(np.float32), "s"),
+        numpy_helper.from_array(rng.standard_normal(groups).astype(np.float32), "b"),
+        numpy_helper.from_array(rng.uniform(0.5, 2, t).astype(np.float32), "per_t"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[3], pads=[1, 1]),
+        helper.make_node("Reshape", ["c", "grouped"], ["r"]),
+        helper.make_node("InstanceNormalization", ["r", "s", "b"], ["i"], epsilon=1e-5),
+        helper.make_node("Reshape", ["i", "shape"], ["back"]),
+        helper.make_node("Mul", ["back", "per_t"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "gn1d",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, t])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, c, t])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    mod = RecognizeGroupNorm()(relax.transform.FoldConstant()(import_onnx(model).mod))
+    assert [int(n.attrs.num_groups) for n in op_calls(mod["main"], ("relax.nn.group_norm",))] == [groups]
+    assert _ops(mod, "relax.multiply") == 1  # the per-T constant, not folded into gamma
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, c, t)).astype(np.float32)}
+    got = run_outputs(tvm_fusion.build(model, "llvm", tuning_logs=None).executable, feeds)
+    np.testing.assert_allclose(got[0], ort_outputs(model, feeds)[0], rtol=1e-4, atol=1e-4)

@@ -66,8 +66,9 @@ def interleaved_times(
 ) -> list[list[float]]:
     """Each function's run times (ms), timed side by side: ``rounds`` blocks of each in turn
     (default: blocks of ``BLOCK_RUNS``, at least 3), the order reversed every other round, after
-    ``warmup`` runs of each (and one untimed run before each later block). Noise then hits all alike: this VM has slow phases of minutes, and with
-    three long blocks one of them could fall into a phase the other missed."""
+    ``warmup`` runs of each (and one untimed run before every block). Noise then hits all
+    alike: this VM has slow phases of minutes, and with three long blocks one of them could fall
+    into a phase the other missed."""
     times: list[list[float]] = [[] for _ in fns]
     for fn in fns:
         for _ in range(warmup):
@@ -77,7 +78,7 @@ def interleaved_times(
     for r in range(rounds):
         for i in range(len(fns)) if r % 2 == 0 else reversed(range(len(fns))):
             time.sleep(0.2)  # ORT's spinning worker threads would slow whoever runs next
-            times[i] += _timings_ms(fns[i], per_round, warmup=1 if r else 0)
+            times[i] += _timings_ms(fns[i], per_round, warmup=1)
     return times
 
 

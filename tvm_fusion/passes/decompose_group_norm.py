@@ -50,7 +50,8 @@ def _applies(call: relax.Call) -> bool:
 
 
 def _param(expr, enabled: bool, neutral: float):
-    """A constant gamma / beta as numpy (None when it is ``neutral`` everywhere or switched off)."""
+    """gamma / beta to apply: a constant's values as numpy, any other expression as it is; None
+    when it is ``neutral`` everywhere or switched off."""
     if not enabled:
         return None
     if isinstance(expr, tvm.ir.expr.Constant):

@@ -29,7 +29,7 @@ from ..ir import count_uses, graph_functions, op_name, static_shape, with_functi
 
 __all__ = ["RecognizeGroupNorm"]
 
-MAX_AFFINE_OPS = 4  # the instance norm's scale and bias, then the GroupNorm's own
+MAX_AFFINE_OPS = 4  # per run of constant * / + (an instance norm's scale and bias, then a GroupNorm's)
 
 
 def _const(expr, var2val) -> np.ndarray | None:
@@ -101,10 +101,13 @@ def _normalized(chain: _Chain, div_var):
         return None
     if not (mean.args[0].same_as(r) and var.args[0].same_as(r)):
         return None
-    rank = len(static_shape(r) or ())
+    shape = static_shape(r)
+    if shape is None or len(shape) < 3 or static_shape(div_var) != shape:  # eps must not broadcast
+        return None
+    rank = len(shape)
     for reduce in (mean, var):
         axes = sorted(int(a) % rank for a in reduce.attrs.axis) if reduce.attrs.axis is not None else None
-        if rank < 3 or axes != list(range(2, rank)) or not bool(reduce.attrs.keepdims):
+        if axes != list(range(2, rank)) or not bool(reduce.attrs.keepdims):
             return None
     inner = [div.args[0], div.args[1], sub.args[1], sqrt.args[0], add.args[0]]
     if any(chain.uses.get(v, 0) != 1 for v in inner):
@@ -112,7 +115,7 @@ def _normalized(chain: _Chain, div_var):
     return r, float(eps.reshape(()))
 
 
-def _channel_values(value: np.ndarray, size: int, rank: int, groups: int, channels: int):
+def _channel_values(value: np.ndarray, size: int, rank: int, channels: int):
     """A constant that broadcasts along axis 1 of a rank-``rank`` tensor (a scalar, or ``size``
     values laid out as ``[size, 1, ...]`` / ``[1, size, 1, ...]``) as one value per channel, each
     group's value repeated over its channels; None for any other constant."""
@@ -142,20 +145,20 @@ def _match(chain: _Chain, div_var):
     if r_shape == x_shape:  # an instance norm straight over x (or over an identity reshape of it)
         groups = channels
         y, gamma, beta = chain.affine(
-            div_var, lambda v: _channel_values(v, channels, rank, groups, channels), gamma, beta
+            div_var, lambda v: _channel_values(v, channels, rank, channels), gamma, beta
         )
     else:
         groups = r_shape[1]
         if source is None or len(r_shape) != 3 or r_shape[0] != x_shape[0] or channels % groups:
             return None
         last, gamma, beta = chain.affine(
-            div_var, lambda v: _channel_values(v, groups, 3, groups, channels), gamma, beta
+            div_var, lambda v: _channel_values(v, groups, 3, channels), gamma, beta
         )
         back = chain.only_user(last)
         if back is None or chain.call(back, "reshape") is None or static_shape(back) != x_shape:
             return None
         y, gamma, beta = chain.affine(
-            back, lambda v: _channel_values(v, channels, rank, groups, channels), gamma, beta
+            back, lambda v: _channel_values(v, channels, rank, channels), gamma, beta
         )
     call = relax.op.nn.group_norm(
         x,
@@ -181,9 +184,14 @@ class RecognizeGroupNorm:
             chain = _Chain(func)
             replace = {}
             for block in func.body.blocks:
+                local = {b.var for b in block.bindings}
                 for b in block.bindings:
                     if op_name(b.value) == "relax.divide" and (hit := _match(chain, b.var)) is not None:
-                        replace[hit[0]] = hit[1]
+                        y, call = hit
+                        x = call.args[0]
+                        # the norm is bound at y: x must be visible there (same block, or not a DataflowVar)
+                        if y in local and (x in local or not isinstance(x, relax.DataflowVar)):
+                            replace[y] = call
             if replace:
                 updates[gvar] = _with_bindings(func, replace)
         if not updates:

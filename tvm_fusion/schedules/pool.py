@@ -78,9 +78,10 @@ class WindowReduction(CpuRule):
 
 
 def _columns_inside_window(sch, block, n_reduce: int) -> bool:
-    """For a stride-1 window, move the output column loop inside the window loops (then each
-    tap is one contiguous vector load and add over the row); True if moved. Strided windows
-    keep their columns outside (a vector would gather every other element)."""
+    """Move the innermost output loop (NCHW's columns; the channels of a channels-last pool)
+    inside the window loops when the input's last index advances by 1 with it (a stride-1 NCHW
+    window, any channels-last one): each tap is then one contiguous vector load and add. True if
+    moved. Strided NCHW windows keep their columns outside (a vector would gather)."""
     stmt = sch.get(block)
     column = stmt.iter_vars[-n_reduce - 1].var
     source = [r for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)][0]
