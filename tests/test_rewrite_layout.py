@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import pytest
 import tvm
-from conftest import ort_run, run_relax
+from conftest import ort_outputs, ort_run, run_relax
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
 
@@ -429,6 +429,21 @@ def _tokens_to_image():
     image = g.reshape(g.transpose(tokens, [0, 2, 1]), [1, 16, 6, 6])
     h = g.relu(g.conv(image, 16, 16, k=3))
     return g.finish([g.transpose(g.reshape(h, [1, 16, 36]), [0, 2, 1])])
+
+
+def test_tokens_as_image_that_is_also_an_output_goes_back_to_nchw():
+    """The adopted NHWC image is also a model output: it is handed back through one permute (the
+    model's own layout, no layout_transform), and the values match ONNX Runtime."""
+    g = models.GraphBuilder("tokens_out", 0)
+    tokens = g.input("input", (1, 36, 16))
+    image = g.reshape(g.transpose(tokens, [0, 2, 1]), [1, 16, 6, 6])
+    model = g.finish([g.relu(g.conv(image, 16, 16, k=3)), image])
+    feeds = models.random_inputs(model)
+    new = RewriteLayout(target=ZNVER3, layout="NHWC")(import_onnx(model).mod)
+    assert count_layout_transforms(new) == 1  # the conv output's; the image needs only a permute
+    assert [[int(a) for a in p.attrs.axes] for p in _calls(new, "relax.permute_dims")] == [[0, 3, 1, 2]]
+    for ours, ref in zip(_run(new, feeds), ort_outputs(model, feeds), strict=True):
+        np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=1e-5)
 
 
 def _upsample_concat(mode="linear"):
