@@ -84,6 +84,20 @@ def rewrite_functions(mod: tvm.IRModule, names, applies, rewriter) -> tvm.IRModu
     return with_functions(mod, updates)
 
 
+def with_bindings(func: relax.Function, replace: dict) -> relax.Function:
+    """``func`` with the values bound to the vars in ``replace`` swapped for the new ones; the vars,
+    and so every use of them, are kept."""
+    blocks = [
+        type(block)(
+            [relax.VarBinding(b.var, replace[b.var]) if b.var in replace else b for b in block.bindings]
+        )
+        for block in func.body.blocks
+    ]
+    return relax.Function(
+        func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure, func.attrs
+    )
+
+
 def with_functions(mod: tvm.IRModule, updates: dict) -> tvm.IRModule:
     """``mod`` with ``updates`` (global var -> function) put in; ``mod`` itself when there are none."""
     if not updates:

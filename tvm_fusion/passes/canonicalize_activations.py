@@ -26,7 +26,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ..ir import graph_functions, is_float_dtype
+from ..ir import graph_functions, is_float_dtype, with_bindings
 from ..ops import hardswish
 
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -273,9 +273,8 @@ class CanonicalizeActivations:
 
 def _rewrite(func: relax.Function, mod: tvm.IRModule | None = None) -> relax.Function | None:
     var2val = relax.analysis.get_var2val(func)
-    blocks, changed = [], False
+    replace = {}
     for block in func.body.blocks:
-        bindings = []
         for binding in block.bindings:
             if isinstance(binding, relax.VarBinding) and isinstance(binding.var.ty, relax.TensorType):
                 replacement = _match_gelu(binding.var, var2val)
@@ -290,12 +289,5 @@ def _rewrite(func: relax.Function, mod: tvm.IRModule | None = None) -> relax.Fun
                 if replacement is None:
                     replacement = _match_clip(binding.var, var2val, mod)
                 if replacement is not None and is_float_dtype(binding.var.ty.dtype):
-                    binding = relax.VarBinding(binding.var, replacement)
-                    changed = True
-            bindings.append(binding)
-        blocks.append(type(block)(bindings))
-    if not changed:
-        return None
-    return relax.Function(
-        func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure, func.attrs
-    )
+                    replace[binding.var] = replacement
+    return with_bindings(func, replace) if replace else None

@@ -25,7 +25,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import count_uses, graph_functions, op_name, static_shape, with_functions
+from ..ir import count_uses, graph_functions, op_name, static_shape, with_bindings, with_functions
 
 __all__ = ["RecognizeGroupNorm"]
 
@@ -193,21 +193,8 @@ class RecognizeGroupNorm:
                         if y in local and (x in local or not isinstance(x, relax.DataflowVar)):
                             replace[y] = call
             if replace:
-                updates[gvar] = _with_bindings(func, replace)
+                updates[gvar] = with_bindings(func, replace)
         if not updates:
             return mod
         mod = with_functions(mod, updates)
         return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(mod))
-
-
-def _with_bindings(func: relax.Function, replace: dict) -> relax.Function:
-    """``func`` with the values of the vars in ``replace`` swapped (the vars, and so their uses, kept)."""
-    blocks = [
-        type(block)(
-            [relax.VarBinding(b.var, replace[b.var]) if b.var in replace else b for b in block.bindings]
-        )
-        for block in func.body.blocks
-    ]
-    return relax.Function(
-        func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure, func.attrs
-    )

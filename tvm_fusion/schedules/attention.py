@@ -37,7 +37,7 @@ from tvm import relax, tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
-from ..ir import static_shape
+from ..ir import static_shape, with_bindings
 from ._util import num_cores, num_vector_registers, vector_lanes
 
 SPEC_ATTR = "tvm_fusion.attention"
@@ -798,20 +798,13 @@ class LowerAttention:
 
 
 def _lower_calls(func, mod, builder, target):
-    blocks, changed = [], False
+    replace = {}
     for block in func.body.blocks:
-        bindings = []
         for binding in block.bindings:
             lowered = _lower(binding, mod, builder, target) if isinstance(binding, relax.VarBinding) else None
             if lowered is not None:
-                binding, changed = relax.VarBinding(binding.var, lowered), True
-            bindings.append(binding)
-        blocks.append(type(block)(bindings))
-    if not changed:
-        return None
-    return relax.Function(
-        func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure, func.attrs
-    )
+                replace[binding.var] = lowered
+    return with_bindings(func, replace) if replace else None
 
 
 def _lower(binding, mod, builder, target):
