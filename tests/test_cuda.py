@@ -57,12 +57,14 @@ def test_cuda_numerics(cuda_build):
 
 def _concat_bn_relu_pool():
     """DenseNet's head: BatchNorm after a Concat (so it cannot fold into a conv: a multiply+add),
-    relu and global average pooling: one ``fused_multiply_add_relu_mean`` kernel."""
+    relu and global average pooling: one ``fused_multiply_add_relu_mean`` kernel. (In DenseNet the
+    concat now fuses into the BN instead; here it is also an output, so it stays apart and the
+    BN, relu and pool make the kernel dlight's GEMV rule asserted on.)"""
     g = models.GraphBuilder("concat_bn_relu_pool", 0)
     x = g.input("input", (1, 16, 7, 7))
-    h = g.op("Concat", [x, g.conv(x, 16, 8, k=3), g.conv(x, 16, 8, k=1)], axis=1)
-    h = g.relu(g.batch_norm(h, 32))
-    return g.finish([g.op("Flatten", [g.op("GlobalAveragePool", [h])], axis=1)])
+    features = g.op("Concat", [x, g.conv(x, 16, 8, k=3), g.conv(x, 16, 8, k=1)], axis=1)
+    h = g.relu(g.batch_norm(features, 32))
+    return g.finish([g.op("Flatten", [g.op("GlobalAveragePool", [h])], axis=1), features])
 
 
 def test_a_gpu_rule_that_raises_declines_and_the_next_one_runs(tmp_path):

@@ -70,7 +70,9 @@ OP_CLASSES: dict[str, list[str]] = {
     # shape-only views: the same row-major data, so they may follow a GEMM's tile like an
     # elementwise op (exporters put one between a matmul and its bias add: GPT-2)
     "view": ["reshape", "expand_dims", "squeeze", "flatten"],
-    "injective": ["permute_dims", "layout_transform", "broadcast_to"],
+    # index remaps of their inputs; a concat's consumers read its pieces directly (DenseNet's
+    # pre-activation BN, ShuffleNet's channel shuffle: the joined tensor is never written)
+    "injective": ["permute_dims", "layout_transform", "broadcast_to", "concat"],
     # a crop of the producer's result: the channels PadConvChannels added, the Q/K/V split
     "slice": ["strided_slice"],
     "norm": ["nn.layer_norm", "nn.rms_norm", "nn.group_norm"],
