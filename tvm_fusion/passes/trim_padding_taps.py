@@ -51,8 +51,9 @@ def kept_taps(size: int, pad_before: int, pad_after: int, kernel: int, dilation:
     return lo, hi, before, after
 
 
-def _trim(call: relax.Call):
-    """The trimmed conv's ``(weight slice, padding, dilation)``, or None if nothing is dropped."""
+def _trimmed_spans(call: relax.Call):
+    """Per spatial axis ``(first tap, last tap, pad before, pad after)`` of the trimmed conv, or
+    None if it drops nothing (or is not a conv this pass covers). Cheap: no weight is read."""
     attrs = call.attrs
     if str(attrs.data_layout) != "NCHW" or str(attrs.kernel_layout) != "OIHW":
         return None
@@ -70,11 +71,14 @@ def _trim(call: relax.Call):
         )
         trimmed |= kept is not None
         spans.append(kept or (0, kernel[i] - 1, before, after))
-    if not trimmed:
-        return None
+    return spans if trimmed else None
+
+
+def _trim(call: relax.Call, spans):
+    """The trimmed conv's ``(weight slice, padding, dilation)`` for its :func:`_trimmed_spans`."""
     (r0, r1, top, bottom), (c0, c1, left, right) = spans
-    sliced = weight.value.numpy()[:, :, r0 : r1 + 1, c0 : c1 + 1]
-    dilation = [1 if last == first else int(d) for (first, last, *_), d in zip(spans, attrs.dilation)]
+    sliced = call.args[1].value.numpy()[:, :, r0 : r1 + 1, c0 : c1 + 1]
+    dilation = [1 if last == first else int(d) for (first, last, *_), d in zip(spans, call.attrs.dilation)]
     return np.ascontiguousarray(sliced), [top, left, bottom, right], dilation
 
 
@@ -84,10 +88,10 @@ class _Rewriter(relax.PyExprMutator):
         call = super().visit_call_(call)
         if op_name(call) != _CONV2D:
             return call
-        trimmed = _trim(call)
-        if trimmed is None:
+        spans = _trimmed_spans(call)
+        if spans is None:
             return call
-        weight, padding, dilation = trimmed
+        weight, padding, dilation = _trim(call, spans)
         a = call.attrs
         return relax.op.nn.conv2d(
             call.args[0],
@@ -108,4 +112,4 @@ class TrimPaddingTaps:
     """Drop conv taps that read only zero padding (see the module docstring)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return rewrite_functions(mod, (_CONV2D,), lambda call: _trim(call) is not None, _Rewriter)
+        return rewrite_functions(mod, (_CONV2D,), lambda call: _trimmed_spans(call) is not None, _Rewriter)
