@@ -59,7 +59,7 @@ def _concat_bn_relu_pool():
     """DenseNet's head: BatchNorm after a Concat (so it cannot fold into a conv: a multiply+add),
     relu and global average pooling: one ``fused_multiply_add_relu_mean`` kernel. (In DenseNet the
     concat now fuses into the BN instead; here it is also an output, so it stays apart and the
-    BN, relu and pool make the kernel dlight's GEMV rule asserted on.)"""
+    BN, relu and pool form the kernel on which dlight's GEMV rule asserts.)"""
     g = models.GraphBuilder("concat_bn_relu_pool", 0)
     x = g.input("input", (1, 16, 7, 7))
     features = g.op("Concat", [x, g.conv(x, 16, 8, k=3), g.conv(x, 16, 8, k=1)], axis=1)

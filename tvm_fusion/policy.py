@@ -70,9 +70,10 @@ OP_CLASSES: dict[str, list[str]] = {
     # shape-only views: the same row-major data, so they may follow a GEMM's tile like an
     # elementwise op (exporters put one between a matmul and its bias add: GPT-2)
     "view": ["reshape", "expand_dims", "squeeze", "flatten"],
-    # index remaps of their inputs; a concat's consumers read its pieces directly (DenseNet's
-    # pre-activation BN, ShuffleNet's channel shuffle: the joined tensor is never written)
-    "injective": ["permute_dims", "layout_transform", "broadcast_to", "concat"],
+    "injective": ["permute_dims", "layout_transform", "broadcast_to"],
+    # pieces joined along an axis: fused, its consumers read the pieces directly (DenseNet's
+    # pre-activation BN, ShuffleNet's channel shuffle) and the joined tensor is not written
+    "concat": ["concat"],
     # a crop of the producer's result: the channels PadConvChannels added, the Q/K/V split
     "slice": ["strided_slice"],
     "norm": ["nn.layer_norm", "nn.rms_norm", "nn.group_norm"],
@@ -89,11 +90,14 @@ DEFAULT_VERTICAL: dict[str, list[str]] = {
     "conv": ELEMENTWISE + ["view", "slice"],
     "gemm": ELEMENTWISE + ["view"],
     # elementwise chains, and elementwise prologues of normalisations (residual add -> layer_norm)
-    "binary": ELEMENTWISE + ["view", "injective", "slice", "norm", "softmax", "reduce"],
-    "activation": ELEMENTWISE + ["view", "injective", "slice", "norm", "softmax", "reduce"],
-    "view": ["view", "injective", "slice"] + ELEMENTWISE + ["norm", "softmax", "reduce"],
-    "injective": ["view", "injective", "slice"] + ELEMENTWISE,
-    "slice": ["view", "injective", "slice"] + ELEMENTWISE,
+    "binary": ELEMENTWISE + ["view", "injective", "slice", "concat", "norm", "softmax", "reduce"],
+    "activation": ELEMENTWISE + ["view", "injective", "slice", "concat", "norm", "softmax", "reduce"],
+    "view": ["view", "injective", "slice", "concat"] + ELEMENTWISE + ["norm", "softmax", "reduce"],
+    "injective": ["view", "injective", "slice", "concat"] + ELEMENTWISE,
+    "slice": ["view", "injective", "slice", "concat"] + ELEMENTWISE,
+    # a concat joins injective chains only: after a reduction it would cover more than the
+    # reduction's output (the reduction schedules cannot place it), after an anchor likewise
+    "concat": ["view", "injective", "slice", "concat"] + ELEMENTWISE,
     # layer_norm -> matmul (prologue of the next projection), softmax -> dropout
     "norm": ["gemm"] + ELEMENTWISE,
     "softmax": ["dropout"] + ELEMENTWISE,

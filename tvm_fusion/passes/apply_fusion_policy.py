@@ -189,7 +189,7 @@ class FusionPlanner:
         intermediate = numel * itemsize
         saved_bytes = 2.0 * intermediate  # the producer's write and the consumer's read
         extra_flops = 0.0
-        inlinable = producer.op_class in ("binary", "activation", "view", "injective", "slice")
+        inlinable = producer.op_class in ("binary", "activation", "view", "injective", "slice", "concat")
         reads = _reads_per_element(consumer, arg)
         if reads > 1 and inlinable:
             # The schedule inlines the producer into the consumer's loads: it is recomputed per read.
