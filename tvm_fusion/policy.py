@@ -95,8 +95,9 @@ DEFAULT_VERTICAL: dict[str, list[str]] = {
     "view": ["view", "injective", "slice", "concat"] + ELEMENTWISE + ["norm", "softmax", "reduce"],
     "injective": ["view", "injective", "slice", "concat"] + ELEMENTWISE,
     "slice": ["view", "injective", "slice", "concat"] + ELEMENTWISE,
-    # a concat joins injective chains only: after a reduction it would cover more than the
-    # reduction's output (the reduction schedules cannot place it), after an anchor likewise
+    # followed like an injective op; it follows elementwise, view, injective and slice producers
+    # only: not a reduction (whose schedules place consumers inside its loops, and a concat covers
+    # more than its output) nor an anchor (epilogues are elementwise, views and slices)
     "concat": ["view", "injective", "slice", "concat"] + ELEMENTWISE,
     # layer_norm -> matmul (prologue of the next projection), softmax -> dropout
     "norm": ["gemm"] + ELEMENTWISE,
