@@ -273,16 +273,26 @@ def test_concat_fuses_with_its_neighbours(make, kernel, cpu_target):
     """A concat is fused like an injective op: its consumer chain reads the pieces directly
     instead of a materialised concatenation (DenseNet 245 -> 188 kernels per inference,
     ShuffleNet 0.83-0.88x the time, docs/performance.md), and an elementwise producer of a piece
-    is computed inside it. Without the ``concat`` class in the policy the concatenation stays a
-    kernel of its own."""
+    is computed inside it. Without the ``concat`` class (``FusionPolicy.without``) the
+    concatenation stays a kernel of its own."""
     model = make()
     feeds = models.random_inputs(model)
     with cpu_target:
         lowered = pipeline(cpu_target)(import_onnx(model).mod)
+        baseline = pipeline(cpu_target, FusionPolicy().without("concat"))(import_onnx(model).mod)
     names = kernel_calls(lowered)
     assert any(kernel in n for n in names), names
     assert not any(n.startswith("concat") for n in names), names
+    assert any(n.startswith("concat") for n in kernel_calls(baseline))
     assert max_abs_err(run_relax(lowered, feeds, cpu_target), ort_run(model, feeds)) < 1e-5
+
+
+def test_without_removes_a_class_from_every_table():
+    policy = FusionPolicy().without("concat")
+    assert "concat" not in policy.op_classes and policy.op_class("concat") is None
+    assert all("concat" not in cs for cs in policy.vertical.values()) and "concat" not in policy.vertical
+    with pytest.raises(TvmFusionError, match="no op class 'nope'"):
+        policy.without("nope")
 
 
 def test_a_concat_after_a_reduction_stays_apart():

@@ -288,6 +288,20 @@ class FusionPolicy:
     def replace(self, **changes) -> FusionPolicy:
         return dataclasses.replace(self, **changes)
 
+    def without(self, op_class: str) -> FusionPolicy:
+        """This policy with one op class gone from every table: its ops then fuse with nothing.
+        The baseline of an ablation (``scripts/ablate_op_class.py``)."""
+        if op_class not in self.op_classes:
+            raise PolicyError(f"no op class {op_class!r} to remove; classes: {sorted(self.op_classes)}")
+        return self.replace(
+            op_classes={k: list(v) for k, v in self.op_classes.items() if k != op_class},
+            vertical={
+                p: [c for c in cs if c != op_class] for p, cs in self.vertical.items() if p != op_class
+            },
+            anchor_classes=[c for c in self.anchor_classes if c != op_class],
+            epilogue_classes=[c for c in self.epilogue_classes if c != op_class],
+        )
+
     # -- queries --------------------------------------------------------------------------
     def validate(self) -> None:
         """Every field has its type (a JSON ``"false"`` is not false), every class name is known."""
