@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -26,16 +25,8 @@ from tvm_fusion.benchmark import interleaved_times
 from tvm_fusion.report import kernel_calls
 from tvm_fusion.targets import llvm_target
 
-ZOO = Path(__file__).resolve().parent / "zoo.py"
-
-
-def _feeds(model: onnx.ModelProto) -> dict:
-    """The zoo's inputs (token ids within the vocabulary, masks of ones, images)."""
-    spec = importlib.util.spec_from_file_location("zoo", ZOO)
-    zoo = importlib.util.module_from_spec(spec)
-    sys.modules["zoo"] = zoo
-    spec.loader.exec_module(zoo)
-    return zoo.feeds_for(model)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import zoo  # noqa: E402  (scripts/zoo.py: the zoo's model inputs)
 
 
 def _variant(path: Path, policy: FusionPolicy, args: list):
@@ -48,7 +39,7 @@ def _variant(path: Path, policy: FusionPolicy, args: list):
 
 def _row(path: Path, new_policy: FusionPolicy, old_policy: FusionPolicy, runs: int) -> str:
     """One model's table row: both builds, their outputs compared, timed side by side."""
-    inputs = [tvm.runtime.tensor(v) for v in _feeds(onnx.load(str(path))).values()]
+    inputs = [tvm.runtime.tensor(v) for v in zoo.feeds_for(onnx.load(str(path))).values()]
     new_vm, new_kernels, new_out = _variant(path, new_policy, inputs)
     old_vm, old_kernels, old_out = _variant(path, old_policy, inputs)
     error = float(np.abs(new_out - old_out).max() / max(float(np.abs(old_out).max()), 1e-30))

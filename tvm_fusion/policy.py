@@ -84,26 +84,28 @@ OP_CLASSES: dict[str, list[str]] = {
 }
 
 ELEMENTWISE = ["binary", "activation"]
+# index remaps of one tensor (or, for concat, of its pieces): free to chain with elementwise ops
+INDEX_REMAPS = ["view", "injective", "slice", "concat"]
 
 DEFAULT_VERTICAL: dict[str, list[str]] = {
     # anchor -> bias add / residual add / activation epilogue
     "conv": ELEMENTWISE + ["view", "slice"],
     "gemm": ELEMENTWISE + ["view"],
     # elementwise chains, and elementwise prologues of normalisations (residual add -> layer_norm)
-    "binary": ELEMENTWISE + ["view", "injective", "slice", "concat", "norm", "softmax", "reduce"],
-    "activation": ELEMENTWISE + ["view", "injective", "slice", "concat", "norm", "softmax", "reduce"],
-    "view": ["view", "injective", "slice", "concat"] + ELEMENTWISE + ["norm", "softmax", "reduce"],
-    "injective": ["view", "injective", "slice", "concat"] + ELEMENTWISE,
-    "slice": ["view", "injective", "slice", "concat"] + ELEMENTWISE,
+    "binary": ELEMENTWISE + INDEX_REMAPS + ["norm", "softmax", "reduce"],
+    "activation": ELEMENTWISE + INDEX_REMAPS + ["norm", "softmax", "reduce"],
+    "view": INDEX_REMAPS + ELEMENTWISE + ["norm", "softmax", "reduce"],
+    "injective": INDEX_REMAPS + ELEMENTWISE,
+    "slice": INDEX_REMAPS + ELEMENTWISE,
     # followed like an injective op; it follows elementwise, view, injective and slice producers
     # only: not a reduction (whose schedules place consumers inside its loops, and a concat covers
     # more than its output) nor an anchor (epilogues are elementwise, views and slices)
-    "concat": ["view", "injective", "slice", "concat"] + ELEMENTWISE,
+    "concat": INDEX_REMAPS + ELEMENTWISE,
     # layer_norm -> matmul (prologue of the next projection), softmax -> dropout
     "norm": ["gemm"] + ELEMENTWISE,
     "softmax": ["dropout"] + ELEMENTWISE,
     "pool": ELEMENTWISE,
-    "reduce": ELEMENTWISE + ["view", "injective", "slice"],
+    "reduce": ELEMENTWISE + [c for c in INDEX_REMAPS if c != "concat"],
 }
 
 # Pairs a target's schedules cannot take, left out of ``vertical`` on that target (unless a

@@ -25,7 +25,7 @@ import tvm
 from tvm import relax
 
 from ..ir import count_uses, graph_functions
-from ..policy import FLOPS_PER_ELEMENT, REDUCTION_PASSES, FusionPolicy, Roofline
+from ..policy import ELEMENTWISE, FLOPS_PER_ELEMENT, INDEX_REMAPS, REDUCTION_PASSES, FusionPolicy, Roofline
 from ..targets import parse_target
 
 # A symbolic dimension is priced as this many elements (decisions must not depend on run-time shapes).
@@ -189,7 +189,7 @@ class FusionPlanner:
         intermediate = numel * itemsize
         saved_bytes = 2.0 * intermediate  # the producer's write and the consumer's read
         extra_flops = 0.0
-        inlinable = producer.op_class in ("binary", "activation", "view", "injective", "slice", "concat")
+        inlinable = producer.op_class in (*ELEMENTWISE, *INDEX_REMAPS)
         reads = _reads_per_element(consumer, arg)
         if reads > 1 and inlinable:
             # The schedule inlines the producer into the consumer's loads: it is recomputed per read.
