@@ -287,6 +287,52 @@ def test_unpadded_conv_reads_its_input_directly(k, copy_kept):
     assert ("pad_temp" in _block_names(func)) == copy_kept, _block_names(func)
 
 
+@pytest.mark.parametrize(
+    "cin,cout,size,stride,dilation",
+    [(16, 16, 32, 1, 1), (16, 32, 17, 2, 1), (8, 24, 15, 1, 2)],
+    ids=["16ch_32x32", "s2_odd", "dilated"],
+)
+def test_small_conv_pads_its_rows_inside_each_parallel_task(cin, cout, size, stride, dilation):
+    """A padded conv with a small weight computes the padded rows each parallel task reads inside
+    that task (no parallel pad stage of its own: one fork-join less, the rows stay in L1), the
+    task running every output-channel tile of its rows; it matches the unscheduled kernel."""
+    from tvm import s_tir
+
+    from tvm_fusion.schedules.contraction import TASK_LOCAL_WEIGHT_BYTES
+
+    w, b = _rand(cout, cin, 3, 3, scale=0.3), _rand(1, cout, 1, 1)
+    assert w.nbytes <= TASK_LOCAL_WEIGHT_BYTES
+
+    def body(bb, x):
+        y = relax.op.nn.conv2d(x, relax.const(w), strides=stride, padding=dilation, dilation=dilation)
+        return relax.op.nn.relu(bb.emit(relax.op.add(bb.emit(y), relax.const(b))))
+
+    mod = _module({"x": (1, cin, size, size)}, body)
+    sched = _check(mod, [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4)
+    (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
+    par = [lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.PARALLEL]
+    assert len(par) == 1, func
+    sch = s_tir.Schedule(func)
+    (pad,) = [n for n in _block_names(func) if n.startswith("pad")]
+    assert sch.get(sch.get_loops(sch.get_sblock(pad))[0]).same_as(par[0]), func
+
+
+def test_large_conv_keeps_its_pad_stage():
+    """A weight beyond TASK_LOCAL_WEIGHT_BYTES: tasks stay (rows x output-channel tiles), each
+    reusing one weight panel across rows, and the pad is its own parallel stage."""
+    from tvm_fusion.schedules.contraction import TASK_LOCAL_WEIGHT_BYTES
+
+    w = _rand(128, 128, 3, 3, scale=0.05)
+    assert w.nbytes > TASK_LOCAL_WEIGHT_BYTES
+
+    def body(bb, x):
+        return relax.op.nn.relu(bb.emit(relax.op.nn.conv2d(x, relax.const(w), strides=2, padding=1)))
+
+    sched = _check(_module({"x": (1, 128, 14, 14)}, body), [_rand(1, 128, 14, 14)], rtol=1e-4, atol=1e-4)
+    (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
+    assert len([lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.PARALLEL]) == 2, func
+
+
 def test_conv2d_nhwc_residual_add():
     w = _rand(3, 3, 8, 8, scale=0.3)  # HWIO
 
@@ -363,7 +409,24 @@ def test_pools_and_mean():
         y = bb.emit(relax.op.nn.max_pool2d(x, pool_size=3, strides=2, padding=1))
         return relax.op.mean(y, axis=[2, 3], keepdims=True)
 
-    _check(_module({"x": (1, 16, 12, 12)}, body), [_rand(1, 16, 12, 12)], need_vector=False)
+    # 64 x 24 x 24 means: enough elements for the mean's parallel loop (PARALLEL_MIN_ELEMENTS)
+    _check(_module({"x": (1, 64, 48, 48)}, body), [_rand(1, 64, 48, 48)], need_vector=False)
+
+
+def test_small_mean_runs_single_threaded():
+    """A global mean of fewer than PARALLEL_MIN_ELEMENTS elements has no parallel loop (a fork-join
+    costs more than the sum), and still matches."""
+    from tvm_fusion.schedules.reduction import PARALLEL_MIN_ELEMENTS
+
+    shape = (1, 32, 16, 16)
+    assert np.prod(shape) < PARALLEL_MIN_ELEMENTS
+    mod = _module({"x": shape}, lambda bb, x: relax.op.mean(x, axis=[2, 3], keepdims=True))
+    x = _rand(*shape)
+    sched = _scheduled(mod)
+    (func,) = _prim_funcs(sched).values()
+    assert tirx.ForKind.PARALLEL not in loop_kinds(func)
+    assert tirx.ForKind.VECTORIZED in loop_kinds(func)
+    np.testing.assert_allclose(_run(sched, [x]), x.mean(axis=(2, 3), keepdims=True), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("pool", ["max", "avg_relu"])
@@ -989,8 +1052,9 @@ def test_global_reduction_sums_the_plane_in_simd_lanes(op, plane, width):
     channels; a plane that is no whole number of vectors (13x13, 7x7) uses as many lanes as
     divide it."""
     reduce = getattr(relax.op, op)
-    mod = _module({"x": (1, 24, *plane)}, lambda bb, x: reduce(x, [2, 3], keepdims=True))
-    x = _rand(1, 24, *plane) - 3.0  # all negative: a max that started from 0 would show
+    channels = 512  # enough elements for a parallel loop (PARALLEL_MIN_ELEMENTS) on every plane
+    mod = _module({"x": (1, channels, *plane)}, lambda bb, x: reduce(x, [2, 3], keepdims=True))
+    x = _rand(1, channels, *plane) - 3.0  # all negative: a max that started from 0 would show
     sched = _check(mod, [x], rtol=1e-5, atol=1e-5, need_vector=width is not None)
     (func,) = _prim_funcs(sched).values()
     vectorized = [int(lp.extent) for lp in collect_loops(func) if lp.kind == tirx.ForKind.VECTORIZED]
@@ -1000,7 +1064,7 @@ def test_global_reduction_sums_the_plane_in_simd_lanes(op, plane, width):
         assert "_rf" in func.script(), func  # the lanes' partial sums
         assert width in vectorized, func
     par = [lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.PARALLEL]
-    assert par and int(par[0].extent) == 24
+    assert par and int(par[0].extent) == channels
     expected = getattr(x.astype("float64"), op)(axis=(2, 3), keepdims=True)
     np.testing.assert_allclose(_run(sched, [x]), expected, rtol=1e-5, atol=1e-5)
 

@@ -70,7 +70,7 @@ def access_class(region, var) -> str:
     ndim = len(region.region)
     used_dims = []
     for d, rng in enumerate(region.region):
-        if not _is_one(rng.extent):
+        if not is_one(rng.extent):
             # a range access (not a point): treat as strided unless v is absent from it
             if uses_var(rng.min, var) or uses_var(rng.extent, var):
                 return "strided"
@@ -105,7 +105,7 @@ def last_dim_stride(region, var) -> int | None:
     """The constant stride of var when it moves only the last dim of a point access, else None."""
     ndim = len(region.region)
     for d, rng in enumerate(region.region):
-        if not _is_one(rng.extent):
+        if not is_one(rng.extent):
             return None
         if d < ndim - 1 and uses_var(rng.min, var):
             return None
@@ -119,7 +119,7 @@ def bare_var_dim(region, var) -> int | None:
         if uses_var(rng.min, var) or uses_var(rng.extent, var):
             if found is not None or not (isinstance(rng.min, tirx.Var) and rng.min.same_as(var)):
                 return None
-            if not _is_one(rng.extent):
+            if not is_one(rng.extent):
                 return None
             found = d
     return found
@@ -135,7 +135,7 @@ def linear_coeff(expr, var) -> int | None:
     return int(res[0])
 
 
-def _is_one(expr) -> bool:
+def is_one(expr) -> bool:
     return isinstance(expr, tirx.IntImm) and int(expr) == 1
 
 

@@ -54,6 +54,7 @@ from ._util import (
     divisors_upto,
     get_sblock_realize,
     int_extent,
+    is_one,
     last_dim_stride,
     linear_coeff,
     logger,
@@ -114,6 +115,13 @@ BLOCKED_TASK_BALANCE = True  # plans ranked by their blocked tasks' balance (_ch
 # Below this many multiply-adds a kernel runs single-threaded: waking the thread pool costs ~7 us
 # on these machines, more than the work (a 1x32x10 classifier GEMM: 7.6 us parallel, 0.04 us not).
 PARALLEL_MIN_MACS = 1 << 16
+# A conv's padded (or strided) input copy computed inside each parallel task, for the rows that
+# task reads, instead of as a parallel stage of its own: one fork-join less and the copy stays
+# in L1 (the 16-channel 32x32 3x3 conv of the ResNet-style example: 28 -> 24.5 us). The tasks
+# then run every output-channel tile of their rows, so each streams the whole weight: only for
+# weights up to this size (a quarter of a 512 KiB L2).
+TASK_LOCAL_INPUTS = True
+TASK_LOCAL_WEIGHT_BYTES = 128 << 10
 
 
 class Contraction(CpuRule):
@@ -247,7 +255,24 @@ class Contraction(CpuRule):
                 if plan not in options:
                     options.append(plan)
             blocking = options[knobs.choose(sch, "block", len(options))]
-        if blocking is None:
+        task_local = None
+        if blocking is None and not small:
+            task_local = _task_local_plan(
+                sch, main_info, stmt, layout_free, v_it, row_it, rt, vt, slots, target
+            )
+            if task_local is not None and knobs.choose(sch, "inputs", 2):
+                task_local = None
+        task_loop = None
+        if task_local is not None:
+            producers, n_par, order = task_local
+            ordered = [outer[i] for i in order]
+            sch.reorder(*ordered, *r_loops, *inner)
+            task_loop = sch.fuse(*ordered[:n_par]) if n_par > 1 else ordered[0]
+            rest = ordered[n_par:]
+            fused = sch.fuse(*rest) if len(rest) > 1 else rest[0]
+            init_at = r_loops[0]
+            sch.parallel(task_loop)
+        elif blocking is None:
             sch.reorder(*outer, *r_loops, *inner)
             fused = sch.fuse(*outer)
             init_at = r_loops[0]
@@ -261,7 +286,7 @@ class Contraction(CpuRule):
             fused = sch.fuse(*outer[:n_par]) if n_par > 1 else outer[0]
             init_at = k_o
         fused_extent = int_extent(sch, fused)
-        if (fused_extent is None or fused_extent > 1) and not small:
+        if task_loop is None and (fused_extent is None or fused_extent > 1) and not small:
             sch.parallel(fused)
 
         # ---- accumulator tile in registers + epilogue right after the tile -------------------
@@ -322,11 +347,15 @@ class Contraction(CpuRule):
         init_loops = sch.get_loops(init)
         try_primitive(sch.vectorize, init_loops[-1])
         if blocking is None:
-            self._schedule_tile_epilogue(sch, acc_consumer, target, sch.get(main).writes[0].source)
+            self._schedule_tile_epilogue(sch, acc_consumer, target, sch.get(main).writes[0].source, fused)
         else:  # the epilogue covers the task's whole region: vectorized, not unrolled
             schedule_injective_block(sch, acc_consumer, target, parallel=False)
 
         handled = {sch.get(b).name_hint for b in (main, init, acc_consumer)}
+        if task_loop is not None:
+            for name in producers:
+                _compute_in_task(sch, sch.get_sblock(name), task_loop, target)
+                handled.add(name)
         # ---- reduction prologue (layer_norm / softmax rows feeding the GEMM) -----------------
         if len(reductions) > 1:
             for prod in sch.get_producers(main):
@@ -539,13 +568,15 @@ class Contraction(CpuRule):
             sch.annotate(cached, LAYOUT_REWRITE_PREPROC, True)
 
     @staticmethod
-    def _schedule_tile_epilogue(sch, block, target, acc):
-        """Vectorize the tile's epilogue and unroll its outer loops, at most
-        ``MAX_EPILOGUE_UNROLL`` copies of the body (a tile's worth of vectors: more only makes
-        LLVM slow, as a broadcast epilogue over a whole plane did, ~1,800 copies). The vectorized
-        loop is one without the ragged tile's bounds check, and, when the innermost one is not a
-        whole vector, the loop along the accumulator tile ``acc``'s vector dim (its last)."""
-        loops = sch.get_loops(block)[1:]
+    def _schedule_tile_epilogue(sch, block, target, acc, tile_loop):
+        """Vectorize the tile's epilogue (its loops inside ``tile_loop``) and unroll its outer loops,
+        at most ``MAX_EPILOGUE_UNROLL`` copies of the body (a tile's worth of vectors: more only
+        makes LLVM slow, as a broadcast epilogue over a whole plane did, ~1,800 copies). The
+        vectorized loop is one without the ragged tile's bounds check, and, when the innermost one
+        is not a whole vector, the loop along the accumulator tile ``acc``'s vector dim (its last)."""
+        loops = sch.get_loops(block)
+        tile = [sch.get(lp).same_as(sch.get(tile_loop)) for lp in loops]
+        loops = loops[tile.index(True) + 1 :] if any(tile) else loops[1:]
         exts = [int_extent(sch, lp) for lp in loops]
         nontrivial = [(lp, e) for lp, e in zip(loops, exts) if e is not None and e > 1]
         if not nontrivial:
@@ -815,6 +846,101 @@ def _tile_imbalance(points: int, vt: int, rt: int, cores: int) -> float:
     """The imbalance ``_plans`` charges a plan: its whole ``vt x rt`` tiles over the cores (at
     least one tile: a padded vector tile may be larger than the iteration space)."""
     return _imbalance(max(points // (vt * rt), 1), cores)
+
+
+def _task_local_plan(sch, main_info, stmt, layout_free, v_it, row_it, rt, vt, slots, target):
+    """``(producer names, n_par, order)`` when the main block's copied inputs (a pad, a strided
+    slice: spatial root stages reading only kernel inputs, not weight packing) are better computed inside each parallel
+    task (see ``TASK_LOCAL_INPUTS``), else None. ``order`` permutes the outer tile loops so that
+    those the copies' reads depend on come first (``n_par`` of them, fused into the parallel
+    task loop) and the ones they do not (output-channel tiles) run inside each task."""
+    if not TASK_LOCAL_INPUTS:
+        return None
+    weight_bytes = sum(
+        math.prod(int(d) for d in r.source.shape) * (r.source.dtype.bits // 8)
+        for r in stmt.reads
+        if r.source in layout_free
+    )
+    if weight_bytes > TASK_LOCAL_WEIGHT_BYTES:
+        return None
+    producers = []
+    for prod in sch.get_producers(main_info.block_rv):
+        block = sch.get(prod)
+        if block.annotations.get(LAYOUT_REWRITE_PREPROC) is not None:
+            continue
+        if any(iv.iter_type != tirx.IterVar.DataPar for iv in block.iter_vars) or sch.get_producers(prod):
+            return None  # not a plain copy of a kernel input (a layer_norm prologue, say)
+        producers.append(block)
+    copied = {b.writes[0].source for b in producers if len(b.writes) == 1 and _writes_own_point(b)}
+    reads = [r for r in stmt.reads if r.source in copied]
+    if not producers or len(copied) != len(producers) or not reads:
+        return None
+    if not all(_is_affine(rng.min) and is_one(rng.extent) for r in reads for rng in r.region):
+        return None
+    s_iters = [it for it in main_info.iters if it.kind == "S"]
+    if not all(isinstance(it.dom, int) for it in s_iters):
+        return None
+    outer_vars = [it.var for it in s_iters]
+    outer_vars[slots[0]] = v_it.var
+    if len(slots) > 1:
+        outer_vars[slots[1]] = row_it.var
+    dependent = [any(access_class(r, var) != "invariant" for r in reads) for var in outer_vars]
+    order = [i for i, d in enumerate(dependent) if d] + [i for i, d in enumerate(dependent) if not d]
+    n_par = sum(dependent)
+    exts = _tile_counts(main_info, v_it, vt, row_it, rt, slots)
+    if n_par == 0 or n_par == len(order):
+        return None  # nothing to move into the tasks (or every tile its own task: no saving)
+    if _imbalance(math.prod(exts[i] for i in order[:n_par]), num_cores(target)) > MAX_IMBALANCE:
+        return None
+    return [b.name_hint for b in producers], n_par, order
+
+
+def _writes_own_point(block) -> bool:
+    """Whether ``block`` writes the point its iter vars name, each index a distinct bare var (a
+    pad's ``[v0, v1, v2]``). ``compute_at`` infers the region a task needs through that map; for a
+    flattened write (``[v1 * 28 + v2]``, plane.py's strided subsample) it inferred a box that
+    missed part of a tile spanning two rows (wrong results, seen on ResNet-18's downsample)."""
+    if len(block.writes) != 1:
+        return False
+    own = [iv.var for iv in block.iter_vars]
+    indices = [
+        rng.min
+        for rng in block.writes[0].region
+        if not (isinstance(rng.min, tirx.IntImm) and is_one(rng.extent))
+    ]
+    return all(isinstance(i, tirx.Var) and any(i.same_as(v) for v in own) for i in indices) and len(
+        {id(i) for i in indices}
+    ) == len(indices)
+
+
+def _is_affine(expr) -> bool:
+    """Whether ``expr`` is a sum of vars times constants plus a constant (no division, no modulo)."""
+    if isinstance(expr, tirx.Var | tirx.IntImm):
+        return True
+    if isinstance(expr, tirx.Add | tirx.Sub):
+        return _is_affine(expr.a) and _is_affine(expr.b)
+    if isinstance(expr, tirx.Mul):
+        return (isinstance(expr.a, tirx.IntImm) and _is_affine(expr.b)) or (
+            isinstance(expr.b, tirx.IntImm) and _is_affine(expr.a)
+        )
+    return False
+
+
+def _compute_in_task(sch, block, task_loop, target) -> None:
+    """The copy stage ``block`` computed per task (``compute_at`` the task loop), vectorized along
+    its innermost loop (a whole odd extent is one LLVM vector: 34 = 16 + 16 + 2)."""
+    sch.compute_at(block, task_loop)
+    loops = sch.get_loops(block)
+    own = loops[[sch.get(lp).same_as(sch.get(task_loop)) for lp in loops].index(True) + 1 :]
+    if own:
+        ext = int_extent(sch, own[-1])
+        if ext is not None and ext > 1:
+            lanes = vector_lanes(target, str(sch.get(block).writes[0].source.dtype))
+            if ext > 4 * lanes and ext % lanes == 0:
+                _, vec = sch.split(own[-1], factors=[None, lanes])
+                try_primitive(sch.vectorize, vec)
+            elif ext <= 4 * lanes:
+                try_primitive(sch.vectorize, own[-1])
 
 
 def _single_threaded(extents: list[int | None]) -> bool:
