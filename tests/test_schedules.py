@@ -29,6 +29,7 @@ from tvm_fusion.schedules import (
 from tvm_fusion.schedules._util import collect_loops, loop_kinds, uses_var
 from tvm_fusion.schedules.contraction import MAX_IMBALANCE, _imbalance
 from tvm_fusion.schedules.fallback import get_sblock_realize
+from tvm_fusion.schedules.injective import PARALLEL_MIN_ELEMENTS as INJECTIVE_PARALLEL_MIN_ELEMENTS
 
 ZNVER3 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
 ZNVER4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})  # AVX-512
@@ -85,6 +86,13 @@ def _prim_funcs(mod):
     return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
 
 
+def _assert_parallel_unless_small(name, func):
+    """A kernel has a parallel loop, unless its output is small enough for one thread."""
+    out_elements = int(np.prod([int(d) for d in func.params[-1].shape]))
+    if out_elements >= INJECTIVE_PARALLEL_MIN_ELEMENTS:
+        assert tirx.ForKind.PARALLEL in loop_kinds(func), f"{name} has no parallel loop\n{func}"
+
+
 def _check(mod, feeds, rtol=1e-5, atol=1e-5, need_vector=True):
     """Scheduled build == unscheduled build; every kernel scheduled, parallel (and vectorized)."""
     expected = _run(_fused(mod), feeds)
@@ -94,7 +102,7 @@ def _check(mod, feeds, rtol=1e-5, atol=1e-5, need_vector=True):
     for name, func in funcs.items():
         assert func.attrs is not None and "tirx.is_scheduled" in func.attrs, name
         kinds = loop_kinds(func)
-        assert tirx.ForKind.PARALLEL in kinds, f"{name} has no parallel loop\n{func}"
+        _assert_parallel_unless_small(name, func)
         if need_vector:
             assert tirx.ForKind.VECTORIZED in kinds, f"{name} has no vectorized loop\n{func}"
     got = _run(sched, feeds)
@@ -287,49 +295,70 @@ def test_unpadded_conv_reads_its_input_directly(k, copy_kept):
     assert ("pad_temp" in _block_names(func)) == copy_kept, _block_names(func)
 
 
-@pytest.mark.parametrize(
-    "cin,cout,size,stride,dilation",
-    [(16, 16, 32, 1, 1), (16, 32, 17, 2, 1), (8, 24, 15, 1, 2)],
-    ids=["16ch_32x32", "s2_odd", "dilated"],
-)
-def test_small_conv_pads_its_rows_inside_each_parallel_task(cin, cout, size, stride, dilation):
-    """A padded conv with a small weight computes the padded rows each parallel task reads inside
-    that task (no parallel pad stage of its own: one fork-join less, the rows stay in L1), the
-    task running every output-channel tile of its rows; it matches the unscheduled kernel."""
-    from tvm import s_tir
-
-    from tvm_fusion.schedules.contraction import TASK_LOCAL_WEIGHT_BYTES
-
+def _small_padded_conv(cin, cout, size, stride=1, dilation=1, batch=1):
     w, b = _rand(cout, cin, 3, 3, scale=0.3), _rand(1, cout, 1, 1)
-    assert w.nbytes <= TASK_LOCAL_WEIGHT_BYTES
 
     def body(bb, x):
         y = relax.op.nn.conv2d(x, relax.const(w), strides=stride, padding=dilation, dilation=dilation)
         return relax.op.nn.relu(bb.emit(relax.op.add(bb.emit(y), relax.const(b))))
 
-    mod = _module({"x": (1, cin, size, size)}, body)
-    sched = _check(mod, [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4)
+    return _module({"x": (batch, cin, size, size)}, body), [_rand(batch, cin, size, size)], w
+
+
+def _conv_kernel(sched):
     (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
+    return func
+
+
+@pytest.mark.parametrize(
+    "cin,cout,size,stride,dilation,batch",
+    [(16, 16, 32, 1, 1, 1), (16, 32, 17, 2, 1, 1), (8, 24, 15, 1, 2, 1), (8, 16, 12, 1, 1, 2)],
+    ids=["16ch_32x32", "s2_odd", "dilated", "batch2"],
+)
+def test_small_conv_pads_its_rows_inside_each_parallel_task(cin, cout, size, stride, dilation, batch):
+    """A padded conv with a small weight computes the padded rows each parallel task reads inside
+    that task (no parallel pad stage of its own: one fork-join less, the rows stay in L1), the
+    task running every output-channel tile of its rows; it matches the unscheduled kernel."""
+    from tvm_fusion.schedules.contraction import TASK_LOCAL_WEIGHT_BYTES
+
+    mod, feeds, w = _small_padded_conv(cin, cout, size, stride, dilation, batch)
+    assert w.nbytes <= TASK_LOCAL_WEIGHT_BYTES
+    func = _conv_kernel(_check(mod, feeds, rtol=1e-4, atol=1e-4))
     par = [lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.PARALLEL]
     assert len(par) == 1, func
     sch = s_tir.Schedule(func)
     (pad,) = [n for n in _block_names(func) if n.startswith("pad")]
     assert sch.get(sch.get_loops(sch.get_sblock(pad))[0]).same_as(par[0]), func
+    # and the padded rows are a per-task buffer once lowered (no shared halo rows between threads)
+    lowering = tvm.transform.Sequential(
+        [
+            s_tir.transform.LowerInitBlock(),
+            s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
+            s_tir.transform.ConvertBlocksToOpaque(),
+            s_tir.transform.CompactBufferAllocation(),
+        ]
+    )
+    lines = lowering(tvm.IRModule({"main": func}))["main"].script().splitlines()
+    (alloc,) = [i for i, line in enumerate(lines) if f"{pad} = T.sblock_alloc_buffer" in line]
+    (loop,) = [i for i, line in enumerate(lines) if "T.parallel(" in line]
+    assert loop < alloc, "\n".join(lines)
 
 
-def test_large_conv_keeps_its_pad_stage():
-    """A weight beyond TASK_LOCAL_WEIGHT_BYTES: tasks stay (rows x output-channel tiles), each
-    reusing one weight panel across rows, and the pad is its own parallel stage."""
-    from tvm_fusion.schedules.contraction import TASK_LOCAL_WEIGHT_BYTES
+@pytest.mark.parametrize("why", ["large weight", "inputs knob"])
+def test_padded_conv_keeps_its_pad_stage(monkeypatch, why):
+    """With a weight beyond TASK_LOCAL_WEIGHT_BYTES (here: the limit lowered), or the tuner's other
+    choice of the ``inputs`` knob, the pad is a parallel stage of its own again."""
+    import tvm_fusion.schedules.contraction as contraction
 
-    w = _rand(128, 128, 3, 3, scale=0.05)
-    assert w.nbytes > TASK_LOCAL_WEIGHT_BYTES
-
-    def body(bb, x):
-        return relax.op.nn.relu(bb.emit(relax.op.nn.conv2d(x, relax.const(w), strides=2, padding=1)))
-
-    sched = _check(_module({"x": (1, 128, 14, 14)}, body), [_rand(1, 128, 14, 14)], rtol=1e-4, atol=1e-4)
-    (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
+    mod, feeds, _ = _small_padded_conv(16, 16, 32)
+    if why == "large weight":
+        monkeypatch.setattr(contraction, "TASK_LOCAL_WEIGHT_BYTES", 1)
+        func = _conv_kernel(_check(mod, feeds, rtol=1e-4, atol=1e-4))
+    else:
+        (name,) = [n for n in _prim_funcs(_fused(mod)) if "conv" in n]
+        with ZNVER3:
+            sch = contraction.Contraction(knobs={"inputs": 1}).apply(_fused(mod)[name], ZNVER3, False)
+        func = sch.mod["main"]
     assert len([lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.PARALLEL]) == 2, func
 
 
@@ -411,6 +440,19 @@ def test_pools_and_mean():
 
     # 64 x 24 x 24 means: enough elements for the mean's parallel loop (PARALLEL_MIN_ELEMENTS)
     _check(_module({"x": (1, 64, 48, 48)}, body), [_rand(1, 64, 48, 48)], need_vector=False)
+
+
+def test_small_elementwise_kernel_runs_single_threaded():
+    """An elementwise kernel with fewer than PARALLEL_MIN_ELEMENTS outputs has no parallel loop
+    (the fork-join costs more than the work) and is still vectorized; a larger one is parallel."""
+    for shape, parallel in (((1, 32, 16, 16), False), ((1, 64, 28, 28), True)):
+        assert (np.prod(shape) >= INJECTIVE_PARALLEL_MIN_ELEMENTS) == parallel
+        mod = _module({"x": shape}, lambda bb, x: relax.op.nn.relu(bb.emit(relax.op.multiply(x, x))))
+        x = _rand(*shape)
+        (func,) = _prim_funcs(_scheduled(mod)).values()
+        assert (tirx.ForKind.PARALLEL in loop_kinds(func)) == parallel, func
+        assert tirx.ForKind.VECTORIZED in loop_kinds(func), func
+        np.testing.assert_allclose(_run(_scheduled(mod), [x]), np.maximum(x * x, 0), rtol=1e-6)
 
 
 def test_small_mean_runs_single_threaded():
@@ -506,7 +548,8 @@ def test_transformer_block_matches_onnxruntime():
 
     sched = _scheduled(from_onnx(model, keep_params_in_input=False))
     for name, func in _prim_funcs(sched).items():
-        assert "tirx.is_scheduled" in func.attrs and tirx.ForKind.PARALLEL in loop_kinds(func), name
+        assert "tirx.is_scheduled" in func.attrs, name
+        _assert_parallel_unless_small(name, func)
     np.testing.assert_allclose(_run(sched, list(feeds.values())), ref, rtol=1e-4, atol=1e-4)
 
 

@@ -29,7 +29,9 @@ Schedule (classic CPU GEMM micro-kernel, chosen by a small cost model over the a
   into a new constant at compile time;
 * injective producers (pad, transpose) stay separate root stages, scheduled parallel+vectorized
   (inlining a pad would put a branch in the micro-kernel; inlining a transpose would make the
-  operand strided again);
+  operand strided again); a small conv's pad is instead computed inside each parallel task, for
+  the rows that task reads, the task running all output-channel tiles of its rows
+  (``_task_local_plan``: one fork-join less, ~1.5 us on these machines, and the rows stay in L1);
 * reduction prologues (the policy's ``layer_norm -> matmul``, or a user's ``softmax -> matmul``):
   when the only other reduction blocks are row reductions that feed the contraction's inputs,
   the materialized input and its reductions become one root stage, parallel over rows (every
@@ -115,13 +117,14 @@ BLOCKED_TASK_BALANCE = True  # plans ranked by their blocked tasks' balance (_ch
 # Below this many multiply-adds a kernel runs single-threaded: waking the thread pool costs ~7 us
 # on these machines, more than the work (a 1x32x10 classifier GEMM: 7.6 us parallel, 0.04 us not).
 PARALLEL_MIN_MACS = 1 << 16
-# A conv's padded (or strided) input copy computed inside each parallel task, for the rows that
-# task reads, instead of as a parallel stage of its own: one fork-join less and the copy stays
-# in L1 (the 16-channel 32x32 3x3 conv of the ResNet-style example: 28 -> 24.5 us). The tasks
-# then run every output-channel tile of their rows, so each streams the whole weight: only for
-# weights up to this size (a quarter of a 512 KiB L2).
+# A conv's padded input computed inside each parallel task, for the rows that task reads, instead
+# of as a parallel stage of its own: one fork-join less (~1.5 us here) and the rows stay in L1
+# (the ResNet-style example's 16-channel 32x32 3x3 conv: 28 -> 24.5 us). The tasks then run every
+# output-channel tile of their rows, so each streams the whole weight: only for weights up to
+# TASK_LOCAL_WEIGHT_BYTES (a quarter of a 512 KiB L2).
 TASK_LOCAL_INPUTS = True
 TASK_LOCAL_WEIGHT_BYTES = 128 << 10
+MAX_COPY_VECTOR = 64  # a copied row up to this many elements is one vectorized loop
 
 
 class Contraction(CpuRule):
@@ -129,8 +132,9 @@ class Contraction(CpuRule):
 
     Its decisions are tunable (:mod:`.knobs`): ``plan`` (the cost model's n-th best micro-kernel:
     vector and row iters, their tiles; at most ``MAX_PLAN_CHOICES``), ``block`` (the model's cache
-    blocking of the reduction, none, or a chunk for half / twice the L1 budget) and ``acc``
-    (accumulator tile in a local buffer or in the intermediate). ``knobs`` forces decisions
+    blocking of the reduction, none, or a chunk for half / twice the L1 budget), ``inputs`` (a small
+    conv's pad inside each task or a stage of its own) and ``acc`` (accumulator tile in a local
+    buffer or in the intermediate). ``knobs`` forces decisions
     (``{"plan": 2}``); the tuner searches them, since the model is a guess. ``last_knobs`` holds the
     decisions of the last ``apply`` (how many choices each had).
     """
@@ -257,9 +261,7 @@ class Contraction(CpuRule):
             blocking = options[knobs.choose(sch, "block", len(options))]
         task_local = None
         if blocking is None and not small:
-            task_local = _task_local_plan(
-                sch, main_info, stmt, layout_free, v_it, row_it, rt, vt, slots, target
-            )
+            task_local = _task_local_plan(sch, main_info, stmt, v_it, row_it, rt, vt, slots, target)
             if task_local is not None and knobs.choose(sch, "inputs", 2):
                 task_local = None
         task_loop = None
@@ -354,7 +356,7 @@ class Contraction(CpuRule):
         handled = {sch.get(b).name_hint for b in (main, init, acc_consumer)}
         if task_loop is not None:
             for name in producers:
-                _compute_in_task(sch, sch.get_sblock(name), task_loop, target)
+                _compute_in_task(sch, sch.get_sblock(name), task_loop)
                 handled.add(name)
         # ---- reduction prologue (layer_norm / softmax rows feeding the GEMM) -----------------
         if len(reductions) > 1:
@@ -848,38 +850,56 @@ def _tile_imbalance(points: int, vt: int, rt: int, cores: int) -> float:
     return _imbalance(max(points // (vt * rt), 1), cores)
 
 
-def _task_local_plan(sch, main_info, stmt, layout_free, v_it, row_it, rt, vt, slots, target):
-    """``(producer names, n_par, order)`` when the main block's copied inputs (a pad, a strided
-    slice: spatial root stages reading only kernel inputs, not weight packing) are better computed inside each parallel
-    task (see ``TASK_LOCAL_INPUTS``), else None. ``order`` permutes the outer tile loops so that
-    those the copies' reads depend on come first (``n_par`` of them, fused into the parallel
-    task loop) and the ones they do not (output-channel tiles) run inside each task."""
+def _task_local_plan(sch, main_info, stmt, v_it, row_it, rt, vt, slots, target):
+    """``(producer names, n_par, order)`` when the conv's padded inputs may be computed inside each
+    parallel task (see ``TASK_LOCAL_INPUTS``), else None. Eligible: spatial root stages that read
+    only kernel inputs and feed only the conv, write their own point, and that the conv reads
+    through a sliding window (an index mixing an output and a reduction iter: a pad, not a
+    GEMM's padded operand). ``order`` permutes the outer tile loops so that those the copies'
+    reads depend on come first (``n_par`` of them, fused into the parallel task loop) and the ones
+    they do not (output-channel tiles) run inside each task."""
     if not TASK_LOCAL_INPUTS:
         return None
-    weight_bytes = sum(
-        math.prod(int(d) for d in r.source.shape) * (r.source.dtype.bits // 8)
-        for r in stmt.reads
-        if r.source in layout_free
-    )
-    if weight_bytes > TASK_LOCAL_WEIGHT_BYTES:
-        return None
+    main = main_info.block_rv
     producers = []
-    for prod in sch.get_producers(main_info.block_rv):
+    for prod in sch.get_producers(main):
         block = sch.get(prod)
         if block.annotations.get(LAYOUT_REWRITE_PREPROC) is not None:
             continue
-        if any(iv.iter_type != tirx.IterVar.DataPar for iv in block.iter_vars) or sch.get_producers(prod):
+        spatial = all(iv.iter_type == tirx.IterVar.DataPar for iv in block.iter_vars)
+        only_main = [sch.get(c).name_hint for c in sch.get_consumers(prod)] == [stmt.name_hint]
+        if not (spatial and only_main and _writes_own_point(block)) or sch.get_producers(prod):
             return None  # not a plain copy of a kernel input (a layer_norm prologue, say)
         producers.append(block)
-    copied = {b.writes[0].source for b in producers if len(b.writes) == 1 and _writes_own_point(b)}
+    copied = {b.writes[0].source for b in producers}
     reads = [r for r in stmt.reads if r.source in copied]
-    if not producers or len(copied) != len(producers) or not reads:
+    if not reads or len(copied) != len(producers):
         return None
     if not all(_is_affine(rng.min) and is_one(rng.extent) for r in reads for rng in r.region):
+        return None
+    s_vars = [it.var for it in main_info.iters if it.kind == "S"]
+    r_vars = [it.var for it in main_info.iters if it.kind == "R"]
+    if not any(
+        any(uses_var(rng.min, v) for v in s_vars) and any(uses_var(rng.min, v) for v in r_vars)
+        for r in reads
+        for rng in r.region
+    ):
+        return None  # no sliding window
+    # every other operand (the weight, packed or not) is streamed whole by each task
+    out_buf = stmt.writes[0].source
+    others = [r.source for r in stmt.reads if r.source not in copied and not r.source.same_as(out_buf)]
+    if any(not all(isinstance(d, tirx.IntImm) for d in b.shape) for b in others):
+        return None
+    weight_bytes = sum(
+        math.prod(int(d) for d in b.shape) * tvm.DataType(str(b.dtype)).bits // 8 for b in others
+    )
+    if weight_bytes > TASK_LOCAL_WEIGHT_BYTES:
         return None
     s_iters = [it for it in main_info.iters if it.kind == "S"]
     if not all(isinstance(it.dom, int) for it in s_iters):
         return None
+    # the var each outer tile loop walks, as apply builds them: the vector and row tiles' outer
+    # loops take the slots of their iters
     outer_vars = [it.var for it in s_iters]
     outer_vars[slots[0]] = v_it.var
     if len(slots) > 1:
@@ -903,14 +923,15 @@ def _writes_own_point(block) -> bool:
     if len(block.writes) != 1:
         return False
     own = [iv.var for iv in block.iter_vars]
-    indices = [
-        rng.min
-        for rng in block.writes[0].region
-        if not (isinstance(rng.min, tirx.IntImm) and is_one(rng.extent))
-    ]
-    return all(isinstance(i, tirx.Var) and any(i.same_as(v) for v in own) for i in indices) and len(
-        {id(i) for i in indices}
-    ) == len(indices)
+    named = []  # which iter var each non-constant index is
+    for rng in block.writes[0].region:
+        if isinstance(rng.min, tirx.IntImm) and is_one(rng.extent):
+            continue
+        hits = [k for k, var in enumerate(own) if rng.min.same_as(var)]
+        if not hits:
+            return False
+        named.append(hits[0])
+    return len(set(named)) == len(named)
 
 
 def _is_affine(expr) -> bool:
@@ -926,21 +947,15 @@ def _is_affine(expr) -> bool:
     return False
 
 
-def _compute_in_task(sch, block, task_loop, target) -> None:
-    """The copy stage ``block`` computed per task (``compute_at`` the task loop), vectorized along
-    its innermost loop (a whole odd extent is one LLVM vector: 34 = 16 + 16 + 2)."""
+def _compute_in_task(sch, block, task_loop) -> None:
+    """The copy stage ``block`` computed per task (``compute_at`` the task loop: its buffer is then
+    allocated per task), its innermost loop vectorized whole (LLVM splits an odd extent: a padded
+    row of 34 is 2 x 16 + 2 with AVX-512, 4 x 8 + 2 with AVX2)."""
     sch.compute_at(block, task_loop)
-    loops = sch.get_loops(block)
-    own = loops[[sch.get(lp).same_as(sch.get(task_loop)) for lp in loops].index(True) + 1 :]
-    if own:
-        ext = int_extent(sch, own[-1])
-        if ext is not None and ext > 1:
-            lanes = vector_lanes(target, str(sch.get(block).writes[0].source.dtype))
-            if ext > 4 * lanes and ext % lanes == 0:
-                _, vec = sch.split(own[-1], factors=[None, lanes])
-                try_primitive(sch.vectorize, vec)
-            elif ext <= 4 * lanes:
-                try_primitive(sch.vectorize, own[-1])
+    inner = sch.get_loops(block)[-1]
+    ext = int_extent(sch, inner)
+    if ext is not None and 1 < ext <= MAX_COPY_VECTOR and not sch.get(inner).same_as(sch.get(task_loop)):
+        try_primitive(sch.vectorize, inner)
 
 
 def _single_threaded(extents: list[int | None]) -> bool:
