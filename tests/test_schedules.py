@@ -26,10 +26,9 @@ from tvm_fusion.schedules import (
     apply_default_schedules,
     default_rules,
 )
-from tvm_fusion.schedules._util import collect_loops, loop_kinds, uses_var
+from tvm_fusion.schedules._util import PARALLEL_MIN_ELEMENTS, collect_loops, loop_kinds, uses_var
 from tvm_fusion.schedules.contraction import MAX_IMBALANCE, _imbalance
 from tvm_fusion.schedules.fallback import get_sblock_realize
-from tvm_fusion.schedules.injective import PARALLEL_MIN_ELEMENTS as INJECTIVE_PARALLEL_MIN_ELEMENTS
 
 ZNVER3 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
 ZNVER4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})  # AVX-512
@@ -89,7 +88,7 @@ def _prim_funcs(mod):
 def _assert_parallel_unless_small(name, func):
     """A kernel has a parallel loop, unless its output is small enough for one thread."""
     out_elements = int(np.prod([int(d) for d in func.params[-1].shape]))
-    if out_elements >= INJECTIVE_PARALLEL_MIN_ELEMENTS:
+    if out_elements >= PARALLEL_MIN_ELEMENTS:
         assert tirx.ForKind.PARALLEL in loop_kinds(func), f"{name} has no parallel loop\n{func}"
 
 
@@ -446,7 +445,7 @@ def test_small_elementwise_kernel_runs_single_threaded():
     """An elementwise kernel with fewer than PARALLEL_MIN_ELEMENTS outputs has no parallel loop
     (the fork-join costs more than the work) and is still vectorized; a larger one is parallel."""
     for shape, parallel in (((1, 32, 16, 16), False), ((1, 64, 28, 28), True)):
-        assert (np.prod(shape) >= INJECTIVE_PARALLEL_MIN_ELEMENTS) == parallel
+        assert (np.prod(shape) >= PARALLEL_MIN_ELEMENTS) == parallel
         mod = _module({"x": shape}, lambda bb, x: relax.op.nn.relu(bb.emit(relax.op.multiply(x, x))))
         x = _rand(*shape)
         (func,) = _prim_funcs(_scheduled(mod)).values()
@@ -458,8 +457,6 @@ def test_small_elementwise_kernel_runs_single_threaded():
 def test_small_mean_runs_single_threaded():
     """A global mean of fewer than PARALLEL_MIN_ELEMENTS elements has no parallel loop (a fork-join
     costs more than the sum), and still matches."""
-    from tvm_fusion.schedules.reduction import PARALLEL_MIN_ELEMENTS
-
     shape = (1, 32, 16, 16)
     assert np.prod(shape) < PARALLEL_MIN_ELEMENTS
     mod = _module({"x": shape}, lambda bb, x: relax.op.mean(x, axis=[2, 3], keepdims=True))

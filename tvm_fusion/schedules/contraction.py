@@ -666,6 +666,16 @@ def _tile_slots(main_info, v_it, row_it) -> list[int]:
     return sorted(i for i, it in enumerate(s_iters) if it is v_it or it is row_it)
 
 
+def _outer_tile_vars(main_info, v_it, row_it, slots) -> list:
+    """The iter var each outer tile loop walks, in apply's order: the spatial iters', the vector
+    and row tiles' outer loops taking the slots of their iters (see _tile_slots)."""
+    outer_vars = [it.var for it in main_info.iters if it.kind == "S"]
+    outer_vars[slots[0]] = v_it.var
+    if len(slots) > 1:
+        outer_vars[slots[1]] = row_it.var
+    return outer_vars
+
+
 def _tile_counts(main_info, v_it, vt, row_it, rt, slots) -> list[int]:
     """Extents of the outer spatial loops once the vector and row iters are tiled (symbolic: 1)."""
     exts = [it.dom if isinstance(it.dom, int) else 1 for it in main_info.iters if it.kind == "S"]
@@ -729,11 +739,7 @@ def _cache_block_plan(
     """
     r_iters = [it for it in main_info.iters if it.kind == "R"]
     r0 = r_iters[0]
-    s_iters = [it for it in main_info.iters if it.kind == "S"]
-    outer_vars = [it.var for it in s_iters]
-    outer_vars[slots[0]] = v_it.var
-    if len(slots) > 1:
-        outer_vars[slots[1]] = row_it.var
+    outer_vars = _outer_tile_vars(main_info, v_it, row_it, slots)
     cands = [
         r
         for r in reads
@@ -877,7 +883,10 @@ def _task_local_plan(sch, main_info, stmt, v_it, row_it, rt, vt, slots, target):
         return None
     if not all(_is_affine(rng.min) and is_one(rng.extent) for r in reads for rng in r.region):
         return None
-    s_vars = [it.var for it in main_info.iters if it.kind == "S"]
+    s_iters = [it for it in main_info.iters if it.kind == "S"]
+    if not all(isinstance(it.dom, int) for it in s_iters):
+        return None
+    s_vars = [it.var for it in s_iters]
     r_vars = [it.var for it in main_info.iters if it.kind == "R"]
     if not any(
         any(uses_var(rng.min, v) for v in s_vars) and any(uses_var(rng.min, v) for v in r_vars)
@@ -895,15 +904,7 @@ def _task_local_plan(sch, main_info, stmt, v_it, row_it, rt, vt, slots, target):
     )
     if weight_bytes > TASK_LOCAL_WEIGHT_BYTES:
         return None
-    s_iters = [it for it in main_info.iters if it.kind == "S"]
-    if not all(isinstance(it.dom, int) for it in s_iters):
-        return None
-    # the var each outer tile loop walks, as apply builds them: the vector and row tiles' outer
-    # loops take the slots of their iters
-    outer_vars = [it.var for it in s_iters]
-    outer_vars[slots[0]] = v_it.var
-    if len(slots) > 1:
-        outer_vars[slots[1]] = row_it.var
+    outer_vars = _outer_tile_vars(main_info, v_it, row_it, slots)
     dependent = [any(access_class(r, var) != "invariant" for r in reads) for var in outer_vars]
     order = [i for i, d in enumerate(dependent) if d] + [i for i, d in enumerate(dependent) if not d]
     n_par = sum(dependent)

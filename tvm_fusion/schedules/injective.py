@@ -13,12 +13,7 @@ from tvm import tirx
 from tvm.s_tir.dlight.base import try_inline
 from tvm.target import Target
 
-from ._util import CpuRule, safe_rule, schedule_injective_block
-
-# Below this many elements an output nest runs single-threaded: a fork-join of the thread pool
-# costs ~1.5 us here, more than the work (a channel-scale multiply, 2 threads vs 1, znver4:
-# 32x16x16 1.9 vs 1.3 us, 288x7x7 2.4 vs 2.4, 96x14x14 2.3 vs 2.3; 576x7x7 3.2 vs 4.2).
-PARALLEL_MIN_ELEMENTS = 20_000
+from ._util import PARALLEL_MIN_ELEMENTS, CpuRule, safe_rule, schedule_injective_block
 
 
 class Injective(CpuRule):

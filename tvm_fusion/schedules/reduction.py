@@ -18,6 +18,7 @@ from tvm.s_tir.dlight.cpu import Reduction as _DlightReduction
 from tvm.target import Target
 
 from ._util import (
+    PARALLEL_MIN_ELEMENTS,
     CpuRule,
     bare_var_dim,
     int_extent,
@@ -32,10 +33,6 @@ from ._util import (
 from .contraction import _reads_varying_with_reduction, _schedule_row_prologue, _vectorize_row_inner
 
 MAX_PARTIAL_SUMS = 16  # lanes of a ragged plane's float32 sum: two AVX2 vectors, one AVX-512
-# Below this many elements a plain reduction runs single-threaded: a fork-join of the thread pool
-# costs ~1.5 us here, more than half the sum (global means, 2 threads vs 1, znver4: 32x16x16 1.5 vs
-# 0.9 us, 288x7x7 2.2 vs 2.0, 96x14x14 2.1 vs 1.8; 576x7x7 2.9 vs 3.5, 16x56x56 2.5 vs 2.9).
-PARALLEL_MIN_ELEMENTS = 20_000
 
 
 class RowReduction(ScheduleRule):
