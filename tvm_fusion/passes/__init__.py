@@ -10,6 +10,7 @@ from .fuse_attention import FuseAttention, attention_decisions
 from .horizontal_fuse import HorizontalFuse
 from .mark_single_buffer_noalias import MarkSingleBufferNoAlias
 from .pad_conv_channels import PadConvChannels
+from .pool_before_pointwise_conv import PoolBeforePointwiseConv
 from .recognize_group_norm import RecognizeGroupNorm
 from .resize_as_matmul import LinearResizeAsMatmul
 from .rewrite_layout import RewriteLayout, count_layout_transforms
@@ -31,6 +32,7 @@ __all__ = [
     "LinearResizeAsMatmul",
     "MarkSingleBufferNoAlias",
     "PadConvChannels",
+    "PoolBeforePointwiseConv",
     "RecognizeGroupNorm",
     "RewriteLayout",
     "SimplifyPoolCeilMode",
