@@ -18,6 +18,8 @@ Order, and why:
    on a 14x14 map) are dropped from the kernel, with the padding shrunk to match.
    ``SimplifyUnitPermutes``: a transpose of size-1 axes only (ViT's seq-first attention at batch 1)
    is a free reshape, moved in front of a layer norm so that the norm still fuses into its GEMM.
+   ``SliceBeforeRowwiseOps``: a ``take`` of one row (a ViT's class token) moves in front of the
+   row-wise ops that computed it, so the last layer's MLP and projection run on that row only.
    ``SplitConvAtBorders`` (CPU): a dilated conv whose border outputs read fewer taps (DeepLabV3's
    dilation-12 ASPP conv) is computed per output region with only that region's taps.
    ``LinearResizeAsMatmul`` (CPU): a bilinear resize of a small map (a segmentation head's
@@ -68,6 +70,7 @@ from .passes import (
     RewriteLayout,
     SimplifyPoolCeilMode,
     SimplifyUnitPermutes,
+    SliceBeforeRowwiseOps,
     SplitConvAtBorders,
     StackAllocateLoopBuffers,
     TrimPaddingTaps,
@@ -139,6 +142,7 @@ def pipeline_stages(
         PoolBeforePointwiseConv(),
         TrimPaddingTaps(),
         SimplifyUnitPermutes(),
+        SliceBeforeRowwiseOps(),
     ]
     if target.kind.name == "llvm":  # GPU: not measured
         rewrite += [SplitConvAtBorders(), LinearResizeAsMatmul()]
