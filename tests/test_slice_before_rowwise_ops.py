@@ -34,7 +34,8 @@ class _Graph:
 
 def classifier_model(*, head: str = "class-token", hidden_output: bool = False):
     """A one-layer ViT-style encoder (attention, residual, layer norm, MLP, residual, layer norm)
-    and a head that reads some of its tokens: "class-token" (Gather index 0 on the token axis),
+    and a head that reads some of its tokens: "class-token" / "last-token" (Gather index 0 / -1 on
+    the token axis),
     "two-tokens" (Slice 0:2 on it), "one-feature" (Gather on the feature axis, which the layer
     norm reduces). ``hidden_output``: the encoder's output is a model output too."""
     g = _Graph()
@@ -59,8 +60,9 @@ def classifier_model(*, head: str = "class-token", hidden_output: bool = False):
     mlp = g("MatMul", [g("Relu", [hidden], "act"), g.weight("w2", 4 * DIM, DIM)], "fc2")
     encoded = g("Add", [x, mlp], "res")
     encoded = g("LayerNormalization", [encoded, g.weight("g2", DIM), g.weight("b2", DIM)], "encoded", axis=-1)
-    if head == "class-token":
-        picked = g("Gather", [encoded, g.const("zero", np.array(0))], "picked", axis=1)
+    if head in ("class-token", "last-token"):
+        index = g.const("index", np.array(0 if head == "class-token" else -1))
+        picked = g("Gather", [encoded, index], "picked", axis=1)
     elif head == "two-tokens":
         bounds = [g.const(n, np.array([v])) for n, v in (("begin", 0), ("end", 2), ("axis", 1))]
         picked = g("Slice", [encoded, *bounds], "picked")
@@ -88,7 +90,7 @@ def rows_of(mod, op) -> list[int]:
     return [static_shape(call.args[0])[-2] for call in op_calls(mod["main"], {op})]
 
 
-@pytest.mark.parametrize("head, kept", [("class-token", 1), ("two-tokens", 2)])
+@pytest.mark.parametrize("head, kept", [("class-token", 1), ("last-token", 1), ("two-tokens", 2)])
 def test_only_the_kept_tokens_go_through_the_mlp_and_the_attention_queries(cpu_target, head, kept):
     model, feeds = classifier_model(head=head)
     mod = imported(model)
@@ -115,3 +117,32 @@ def test_left_alone_where_every_row_is_needed(options):
     model, _ = classifier_model(**options)
     mod = imported(model)
     assert SliceBeforeRowwiseOps()(mod).same_as(mod)
+
+
+def test_a_slice_after_a_conv_moves_past_its_bias_only(cpu_target):
+    """wav2vec2's positional conv drops its last frame (``x[:, :, :-1]``) after the bias add: the
+    slice moves in front of the add and stops at the conv, which mixes frames."""
+    g = _Graph()
+    conv = g("Conv", ["x", g.weight("w", 8, 4, 4)], "conv", pads=[2, 2], group=2)
+    biased = g("Add", [conv, g.weight("b", 8, 1)], "biased")
+    bounds = [g.const(n, np.array([v])) for n, v in (("begin", 0), ("end", -1), ("axis", 2))]
+    g("Relu", [g("Slice", [biased, *bounds], "cropped")], "y")
+    graph = helper.make_graph(
+        g.nodes,
+        "pos_conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 10])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 10])],
+        g.inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    mod = imported(model)
+    moved = SliceBeforeRowwiseOps()(mod)
+    (add,) = op_calls(moved["main"], {"relax.add"})
+    assert static_shape(add) == (1, 8, 10)  # the bias is added to the kept frames only
+    (cut,) = op_calls(moved["main"], {"relax.strided_slice"})
+    assert static_shape(cut.args[0]) == (1, 8, 11)  # the conv still computes every frame
+    feeds = {"x": np.random.default_rng(2).standard_normal((1, 8, 10)).astype("float32")}
+    result = build(model, cpu_target, name="pos_conv", tuning_logs=None)
+    reference = ort_outputs(model, feeds)[0]
+    np.testing.assert_allclose(run_outputs(result.executable, feeds)[0], reference, rtol=1e-5, atol=1e-5)

@@ -45,6 +45,13 @@ def static_shape(expr) -> tuple[int, ...] | None:
     return None if dims is None or any(d is None for d in dims) else dims
 
 
+def int_values(expr) -> list[int]:
+    """The integers of a ``relax.Tuple`` of ``PrimValue`` s or a ``ShapeExpr`` (a ``strided_slice``'s
+    axes and bounds); raises where one is not a constant."""
+    fields = expr.fields if isinstance(expr, relax.Tuple) else expr.values
+    return [int(getattr(v, "value", v)) for v in fields]  # IntImm, or a PrimValue holding one
+
+
 def is_float_dtype(dtype) -> bool:
     """float16/32/64 or bfloat16 (``np.dtype`` does not know bfloat16)."""
     return str(dtype).startswith(("float", "bfloat"))

@@ -41,7 +41,7 @@ from tvm.ir import Op
 from tvm.sym import Analyzer
 from tvm.target import codegen
 
-from ..ir import graph_functions, op_name, static_shape
+from ..ir import graph_functions, int_values, op_name, static_shape
 from ..legalize import register as register_legalizations
 from ..legalize.conv_args import out_dtype
 from ..targets import is_gpu, parse_target
@@ -681,9 +681,9 @@ class _LayoutRewriter(relax.PyExprMutator):
         ):
             return None
         try:
-            axes = [int(a) % lay.rank for a in _ints(call.args[1])]
-            begin, end = _ints(call.args[2]), _ints(call.args[3])
-            strides = _ints(call.args[4]) if call.args[4] is not None else [1] * len(axes)
+            axes = [int(a) % lay.rank for a in int_values(call.args[1])]
+            begin, end = int_values(call.args[2]), int_values(call.args[3])
+            strides = int_values(call.args[4]) if call.args[4] is not None else [1] * len(axes)
         except (TypeError, ValueError, AttributeError):
             return None
         shape = static_shape(call.args[0])
@@ -818,11 +818,6 @@ class _LayoutRewriter(relax.PyExprMutator):
 
 class _Skip(Exception):
     pass
-
-
-def _ints(expr) -> list[int]:
-    fields = expr.fields if isinstance(expr, relax.Tuple) else expr.values
-    return [int(getattr(v, "value", v)) for v in fields]  # IntImm, or a PrimValue holding one
 
 
 def _read_index(sch, block_rv, func, param_index) -> int:

@@ -24,7 +24,7 @@ import math
 import tvm
 from tvm import relax
 
-from ..ir import count_uses, graph_functions, op_calls, op_name, static_shape, with_functions
+from ..ir import count_uses, graph_functions, int_values, op_calls, op_name, static_shape, with_functions
 from ..policy import OP_CLASSES
 
 __all__ = ["SliceBeforeRowwiseOps"]
@@ -61,9 +61,9 @@ def _index(take: relax.Call) -> int | None:
     return value % shape[axis] if -shape[axis] <= value < shape[axis] else None
 
 
-def _starting_rows(take: relax.Call) -> _Rows | None:
+def _take_rows(take: relax.Call) -> _Rows | None:
     """The row a ``take`` of one constant index keeps (None if its input has only that row)."""
-    if op_name(take) != _TAKE or (index := _index(take)) is None:
+    if (index := _index(take)) is None:
         return None
     shape = static_shape(take.args[0])
     axis = int(take.attrs.axis) % len(shape)
@@ -73,11 +73,11 @@ def _starting_rows(take: relax.Call) -> _Rows | None:
 def _slice_rows(call: relax.Call) -> _Rows | None:
     """The rows a static, one-axis, stride-1 ``strided_slice`` keeps, if fewer than its input has."""
     shape, out = static_shape(call.args[0]), static_shape(call)
-    if op_name(call) != _SLICE or shape is None or out is None or len(call.args) < 4:
+    if shape is None or out is None or len(call.args) < 4:
         return None
     try:
-        axes, begin = _ints(call.args[1]), _ints(call.args[2])
-        strides = _ints(call.args[4]) if len(call.args) > 4 and call.args[4] is not None else [1]
+        axes, begin = int_values(call.args[1]), int_values(call.args[2])
+        strides = int_values(call.args[4]) if len(call.args) > 4 and call.args[4] is not None else [1]
     except (TypeError, ValueError, AttributeError):  # run-time bounds
         return None
     if len(axes) != 1 or set(strides) != {1}:
@@ -87,19 +87,10 @@ def _slice_rows(call: relax.Call) -> _Rows | None:
     return _Rows(axis, start, start + out[axis]) if 0 < out[axis] < shape[axis] else None
 
 
-def _ints(expr) -> list[int]:
-    fields = expr.fields if isinstance(expr, relax.Tuple) else expr.values
-    return [int(getattr(v, "value", v)) for v in fields]  # IntImm, or a PrimValue holding one
-
-
 def _starts(call: relax.Call) -> _Rows | None:
-    return (
-        _starting_rows(call)
-        if op_name(call) == _TAKE
-        else _slice_rows(call)
-        if op_name(call) == _SLICE
-        else None
-    )
+    """The rows a ``take`` or ``strided_slice`` keeps, for those this pass can move."""
+    rows_kept = {_TAKE: _take_rows, _SLICE: _slice_rows}.get(op_name(call))
+    return rows_kept(call) if rows_kept else None
 
 
 def _reshaped_axis(before: tuple, after: tuple, axis: int) -> int | None:
