@@ -97,3 +97,35 @@ def test_left_alone_where_not_exact_or_no_cheaper(options):
     model, feeds = transition_model(**options)
     mod = imported(model)
     assert PoolBeforePointwiseConv()(mod).same_as(mod)
+
+
+def _conv_then_pool(dtype: str, out_dtype: str, **pool):
+    """main(x: [1, 4, 8, 8] dtype) = avg_pool2d(conv2d_1x1(x, w) + b) with constant w, b."""
+    x = relax.Var("x", relax.TensorType((1, 4, 8, 8), dtype))
+    weight = relax.const(np.arange(32).reshape(8, 4, 1, 1).astype(dtype))
+    bias = relax.const(np.ones((1, 8, 1, 1), out_dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            conv = bb.emit(relax.op.nn.conv2d(x, weight, out_dtype=out_dtype))
+            biased = bb.emit(relax.op.add(conv, bias))
+            out = bb.emit_output(relax.op.nn.avg_pool2d(biased, **pool))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize(
+    "dtype, out_dtype, pool",
+    [
+        ("int8", "int32", {"pool_size": 2, "strides": 2}),  # an int8 input cannot be averaged first
+        ("float32", "float32", {"pool_size": 2, "strides": 2, "padding": 2}),  # all-padding windows
+    ],
+    ids=["int8-conv", "window-all-padding"],
+)
+def test_left_alone_where_the_pool_would_change_values(dtype, out_dtype, pool):
+    mod = _conv_then_pool(dtype, out_dtype, **pool)
+    assert PoolBeforePointwiseConv()(mod).same_as(mod)
+    rewritten_with_one_pad = PoolBeforePointwiseConv()(
+        _conv_then_pool("float32", "float32", pool_size=2, strides=2)
+    )
+    assert not rewritten_with_one_pad.same_as(mod)  # the same graph in float32, unpadded, is rewritten

@@ -143,6 +143,63 @@ def test_a_slice_after_a_conv_moves_past_its_bias_only(cpu_target):
     (cut,) = op_calls(moved["main"], {"relax.strided_slice"})
     assert static_shape(cut.args[0]) == (1, 8, 11)  # the conv still computes every frame
     feeds = {"x": np.random.default_rng(2).standard_normal((1, 8, 10)).astype("float32")}
-    result = build(model, cpu_target, name="pos_conv", tuning_logs=None)
     reference = ort_outputs(model, feeds)[0]
+    np.testing.assert_allclose(run_outputs(moved, feeds)[0], reference, rtol=1e-5, atol=1e-5)
+    result = build(model, cpu_target, name="pos_conv", tuning_logs=None)
     np.testing.assert_allclose(run_outputs(result.executable, feeds)[0], reference, rtol=1e-5, atol=1e-5)
+
+
+def _relax_function(shapes: list[tuple], body):
+    """``main`` over float32 inputs of ``shapes``; ``body(bb, *params)`` emits the graph."""
+    params = [relax.Var(f"p{i}", relax.TensorType(shape, "float32")) for i, shape in enumerate(shapes)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, *params))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _index(value):
+    return relax.const(value, "int64")
+
+
+@pytest.mark.parametrize(
+    "shapes, body, moves",
+    [
+        (  # a batch axis of a batched matmul, seen through a transpose: both operands sliced
+            [(3, 4, 5), (3, 5, 2)],
+            lambda bb, a, b: relax.op.take(
+                bb.emit(relax.op.permute_dims(bb.emit(relax.op.matmul(a, b)), [1, 0, 2])), _index(2), axis=1
+            ),
+            True,
+        ),
+        (  # a vector right operand: the output's first axis is a batch axis of the left one
+            [(3, 4, 5), (5,)],
+            lambda bb, a, b: relax.op.take(bb.emit(relax.op.matmul(a, b)), _index(1), axis=0),
+            False,
+        ),
+        (  # -1 in wrap mode counts from the end ...
+            [(4, 6)],
+            lambda bb, x: relax.op.take(bb.emit(relax.op.nn.relu(x)), _index(-1), axis=0, mode="wrap"),
+            True,
+        ),
+        (  # ... in clip mode it is row 0: left alone
+            [(4, 6)],
+            lambda bb, x: relax.op.take(bb.emit(relax.op.nn.relu(x)), _index(-1), axis=0, mode="clip"),
+            False,
+        ),
+        (  # no axis (a 1-D input)
+            [(6,)],
+            lambda bb, x: relax.op.take(bb.emit(relax.op.nn.relu(x)), _index(4)),
+            False,
+        ),
+    ],
+    ids=["batched-matmul-transposed", "vector-operand", "wrap-negative", "clip-negative", "no-axis"],
+)
+def test_moves_only_where_exact_and_keeps_the_values(shapes, body, moves):
+    mod = _relax_function(shapes, body)
+    moved = SliceBeforeRowwiseOps()(mod)
+    assert moved.same_as(mod) != moves
+    feeds = [np.random.default_rng(3).standard_normal(s).astype("float32") for s in shapes]
+    np.testing.assert_allclose(run_outputs(moved, feeds)[0], run_outputs(mod, feeds)[0], rtol=1e-6)

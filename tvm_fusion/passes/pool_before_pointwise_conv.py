@@ -19,7 +19,16 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ..ir import count_uses, dtype_of, graph_functions, op_calls, op_name, static_shape, with_functions
+from ..ir import (
+    count_uses,
+    dtype_of,
+    graph_functions,
+    is_float_dtype,
+    op_calls,
+    op_name,
+    static_shape,
+    with_functions,
+)
 
 __all__ = ["PoolBeforePointwiseConv"]
 
@@ -27,16 +36,25 @@ _POOL = "relax.nn.avg_pool2d"
 
 
 def _averages_each_window(pool: relax.Call) -> bool:
-    """True if every window's weights add up to 1 (an affine map commutes with the pool)."""
+    """True if every window's weights add up to 1 (an affine map commutes with the pool): padding
+    is not counted, and no window lies wholly in it (its average would be 0, not the bias)."""
     a = pool.attrs
     if bool(a.ceil_mode) or str(a.layout) != "NCHW" or str(a.out_layout) != "NCHW":
         return False
-    return not bool(a.count_include_pad) or all(int(p) == 0 for p in a.padding)
+    pads = [int(p) for p in a.padding]
+    if not any(pads):
+        return True
+    windows = [int(d) * (int(k) - 1) + 1 for d, k in zip(a.dilation, a.pool_size)]
+    return not bool(a.count_include_pad) and all(p < windows[i % 2] for i, p in enumerate(pads))
 
 
 def _is_pointwise_conv(conv) -> bool:
-    """A plain 1x1 conv2d in NCHW / OIHW: every output pixel from its own input pixel."""
+    """A plain float 1x1 conv2d in NCHW / OIHW: every output pixel from its own input pixel, in the
+    dtype it reads (an int8 conv accumulating in int32 cannot average its input first)."""
     if op_name(conv) != "relax.nn.conv2d":
+        return False
+    dtype = dtype_of(conv.args[0])
+    if not is_float_dtype(dtype) or dtype_of(conv) != dtype:
         return False
     a = conv.attrs
     weight = static_shape(conv.args[1])

@@ -31,7 +31,9 @@ __all__ = ["SliceBeforeRowwiseOps"]
 
 _TAKE = "relax.take"
 _SLICE = "relax.strided_slice"
-_MAX_ROUNDS = 16  # each round moves slices past one value that several of them read
+# each round moves slices past one value that several of them read; past the cap the rest stay
+# where they are (correct, only less work saved)
+_MAX_ROUNDS = 16
 _ELEMENTWISE = {f"relax.{op}" for op in OP_CLASSES["activation"]}
 _BINARY = {f"relax.{op}" for op in OP_CLASSES["binary"]}
 _ROW_NORMS = {"relax.nn.layer_norm", "relax.nn.rms_norm"}
@@ -52,13 +54,18 @@ class _Rows:
 
 
 def _index(take: relax.Call) -> int | None:
-    """The constant scalar index of a ``take``, made non-negative; None for anything else."""
+    """The constant scalar index of a one-axis ``take`` that picks one row in bounds (a negative
+    one only in ``wrap`` mode, where it counts from the end); None for anything else."""
     index, shape = take.args[1], static_shape(take.args[0])
-    if not isinstance(index, tvm.ir.expr.Constant) or shape is None or index.value.numpy().ndim:
+    if take.attrs.axis is None or shape is None:  # no axis: a take from the flattened tensor
         return None
-    axis = int(take.attrs.axis) % len(shape)
+    if not isinstance(index, tvm.ir.expr.Constant) or index.value.numpy().ndim:
+        return None
+    size = shape[int(take.attrs.axis) % len(shape)]
     value = int(index.value.numpy())
-    return value % shape[axis] if -shape[axis] <= value < shape[axis] else None
+    if value < 0 and str(take.attrs.mode) == "wrap":
+        value += size
+    return value if 0 <= value < size else None
 
 
 def _take_rows(take: relax.Call) -> _Rows | None:
@@ -87,7 +94,7 @@ def _slice_rows(call: relax.Call) -> _Rows | None:
     return _Rows(axis, start, start + out[axis]) if 0 < out[axis] < shape[axis] else None
 
 
-def _starts(call: relax.Call) -> _Rows | None:
+def _rows_kept(call: relax.Call) -> _Rows | None:
     """The rows a ``take`` or ``strided_slice`` keeps, for those this pass can move."""
     rows_kept = {_TAKE: _take_rows, _SLICE: _slice_rows}.get(op_name(call))
     return rows_kept(call) if rows_kept else None
@@ -113,7 +120,7 @@ class _Rewriter(relax.PyExprMutator):
 
     def visit_call_(self, call):
         call = super().visit_call_(call)
-        rows = _starts(call)
+        rows = _rows_kept(call)
         if rows is None:
             return call
         moved = self._moved(call.args[0], rows)
@@ -146,10 +153,15 @@ class _Rewriter(relax.PyExprMutator):
         name = op_name(call)
         if name is None or static_shape(call) is None or any(static_shape(a) is None for a in _tensors(call)):
             return None
-        for ops, rule in _RULES:
-            if name in ops:
-                return getattr(self, rule)(call, rows)
-        return None
+        rule = next((rule for ops, rule in _RULES if name in ops), None)
+        moved = getattr(self, rule)(call, rows) if rule else None
+        if moved is None:
+            return None
+        # a safety net: a rule that got its axes wrong gives up here instead of changing the result
+        moved = self.builder_.normalize(moved)
+        kept = list(static_shape(expr))
+        kept[rows.axis] = rows.end - rows.begin
+        return moved if static_shape(moved) == tuple(kept) else None
 
     def _elementwise(self, call, rows):
         rank = len(static_shape(call))
@@ -174,16 +186,12 @@ class _Rewriter(relax.PyExprMutator):
 
     def _matmul(self, call, rows):
         rank = len(static_shape(call))
-        if rows.axis == rank - 1:  # the column axis: a slice of the weight, not of the rows
-            return None
         lhs, rhs = call.args
+        if rows.axis == rank - 1 or min(len(static_shape(lhs)), len(static_shape(rhs))) < 2:
+            return None  # the column axis (a slice of the weight), or a vector operand's axes
         if rows.axis == rank - 2:
-            lhs_rank = len(static_shape(lhs))
-            if lhs_rank < 2:
-                return None
-            return relax.Call(call.op, [self._sliced(lhs, rows.on(lhs_rank - 2)), rhs], call.attrs)
-        if min(len(static_shape(lhs)), len(static_shape(rhs))) < 2:  # a vector operand: no batch axes
-            return None
+            rows = rows.on(len(static_shape(lhs)) - 2)
+            return relax.Call(call.op, [self._sliced(lhs, rows), rhs], call.attrs)
         args = [self._broadcast_operand(arg, rows, rank) for arg in (lhs, rhs)]
         return relax.Call(call.op, args, call.attrs)
 
@@ -228,12 +236,13 @@ _RULES = [
 
 @tvm.transform.module_pass(opt_level=0, name="SliceBeforeRowwiseOps")
 class SliceBeforeRowwiseOps:
-    """Move a one-index ``take`` in front of the row-wise ops that computed its input."""
+    """Move a one-index ``take`` (or a static one-axis ``strided_slice``) in front of the row-wise
+    ops that computed its input."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         updates = {}
         for gvar, func in graph_functions(mod):
-            if not any(_starts(call) for call in op_calls(func, {_TAKE, _SLICE})):
+            if not any(_rows_kept(call) for call in op_calls(func, {_TAKE, _SLICE})):
                 continue
             for _ in range(_MAX_ROUNDS):
                 rewriter = _Rewriter(mod, count_uses(func))
