@@ -104,34 +104,10 @@ class _Rewriter(relax.PyExprMutator):
             producer = self._single_use_binding(producer.args[0])
         if not _is_pointwise_conv(producer):
             return call
-        a = call.attrs
-        pooled = self.builder_.emit(
-            relax.op.nn.avg_pool2d(
-                producer.args[0],
-                pool_size=list(a.pool_size),
-                strides=list(a.strides),
-                padding=list(a.padding),
-                dilation=list(a.dilation),
-                ceil_mode=False,
-                count_include_pad=bool(a.count_include_pad),
-                layout="NCHW",
-                out_layout="NCHW",
-            )
-        )
+        # the same pool on the conv's input, the same conv on the pooled map (attrs checked above)
+        pooled = self.builder_.emit(relax.Call(call.op, [producer.args[0]], call.attrs))
+        conv = relax.Call(producer.op, [pooled, producer.args[1]], producer.attrs)
         self.rewrote = True
-        c = producer.attrs
-        conv = relax.op.nn.conv2d(
-            pooled,
-            producer.args[1],
-            strides=1,
-            padding=0,
-            dilation=1,
-            groups=int(c.groups),
-            data_layout="NCHW",
-            kernel_layout="OIHW",
-            out_layout="NCHW",
-            out_dtype=dtype_of(producer),
-        )
         return conv if bias is None else relax.op.add(self.builder_.emit(conv), bias)
 
 
