@@ -8,10 +8,10 @@ Pooled first, the conv runs on the pooled map: DenseNet-121's three transition c
 fewer FLOPs (ONNX Runtime runs them as exported).
 
 When the pool's weights add up to 1 in every window: no padding, or padding that is not
-counted (``count_include_pad=False``), and no ``ceil_mode`` (its partial windows).
-It applies only where it saves work (the pool has fewer pixels out than in), where the conv's
-result feeds only the pool, and to the NCHW convs and pools the importer makes (it runs before
-``RewriteLayout``).
+counted (``count_include_pad=False``) and holds no whole window, and no ``ceil_mode`` (its
+partial windows); and for float convs in their input's dtype. It applies only where it saves
+work (the pool has fewer pixels out than in), where the conv's result feeds only the pool, and
+to the NCHW convs and pools the importer makes (it runs before ``RewriteLayout``).
 """
 
 from __future__ import annotations
