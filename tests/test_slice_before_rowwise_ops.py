@@ -174,15 +174,6 @@ def _index(value):
             ),
             True,
         ),
-        (  # the inference dropout the dynamo exporter keeps (a tuple: output, mask)
-            [(4, 6)],
-            lambda bb, x: relax.op.take(
-                bb.emit(relax.TupleGetItem(bb.emit(relax.op.nn.dropout(bb.emit(relax.op.nn.relu(x)))), 0)),
-                _index(2),
-                axis=0,
-            ),
-            True,
-        ),
         (  # a vector right operand: the output's first axis is a batch axis of the left one
             [(3, 4, 5), (5,)],
             lambda bb, a, b: relax.op.take(bb.emit(relax.op.matmul(a, b)), _index(1), axis=0),
@@ -206,7 +197,6 @@ def _index(value):
     ],
     ids=[
         "batched-matmul-transposed",
-        "dropout",
         "vector-operand",
         "wrap-negative",
         "clip-negative",

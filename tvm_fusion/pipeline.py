@@ -4,6 +4,8 @@ Order, and why:
 
 0. ``BindUnknownShapes``: a tensor whose shape depends on data (a slice with run-time bounds) gets
    symbolic dims, or FoldConstant and LegalizeOps cannot lower anything downstream of it.
+   ``RemoveInferenceDropout``: an exported ``Dropout`` is its input (TVM would copy it and write
+   a mask of ones).
 1. ``FoldBatchNorm`` + ``FoldConstant``: BN disappears into conv/matmul weights before anything
    counts ops, so fusion and layout see the real compute graph.
 2. ``CanonicalizeActivations``: exporters spell GELU/SiLU/HardSwish as arithmetic; one op fuses
@@ -67,6 +69,7 @@ from .passes import (
     PadConvChannels,
     PoolBeforePointwiseConv,
     RecognizeGroupNorm,
+    RemoveInferenceDropout,
     RewriteLayout,
     SimplifyPoolCeilMode,
     SimplifyUnitPermutes,
@@ -132,7 +135,7 @@ def pipeline_stages(
     register_legalizations()  # LegalizeOps below lowers NCHW{c} convs and GELU our way
     horizontal = policy.horizontal if horizontal is None else horizontal
     attention = policy.attention if attention is None else attention
-    rewrite: list[tvm.transform.Pass] = [BindUnknownShapes()]
+    rewrite: list[tvm.transform.Pass] = [BindUnknownShapes(), RemoveInferenceDropout()]
     if fold_batch_norm:
         rewrite += [FoldBatchNorm(), relax.transform.FoldConstant()]
     rewrite += [

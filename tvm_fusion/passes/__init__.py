@@ -12,6 +12,7 @@ from .mark_single_buffer_noalias import MarkSingleBufferNoAlias
 from .pad_conv_channels import PadConvChannels
 from .pool_before_pointwise_conv import PoolBeforePointwiseConv
 from .recognize_group_norm import RecognizeGroupNorm
+from .remove_inference_dropout import RemoveInferenceDropout
 from .resize_as_matmul import LinearResizeAsMatmul
 from .rewrite_layout import RewriteLayout, count_layout_transforms
 from .simplify_pool_ceil_mode import SimplifyPoolCeilMode
@@ -35,6 +36,7 @@ __all__ = [
     "PadConvChannels",
     "PoolBeforePointwiseConv",
     "RecognizeGroupNorm",
+    "RemoveInferenceDropout",
     "RewriteLayout",
     "SimplifyPoolCeilMode",
     "SimplifyUnitPermutes",

@@ -7,11 +7,11 @@ take keeps one row from the start and they run on it alone (ViT-B/16: the last l
 projection, ~6 % of the model's FLOPs). The same holds for any head that reads a few rows.
 
 The kept rows move up through ops where every output row along the axis depends only on the
-same row of the inputs: elementwise ops (operands broadcast along the axis stay whole) and the
-inference dropout the dynamo exporter keeps, layer / RMS norms and softmax over other axes,
-``matmul`` along its row or batch axes, reshapes that keep the axis whole, transposes, and a
-single-index ``take`` on another axis (Hugging Face classifiers read the first token the same
-way: BertForSequenceClassification 0.94x the time). It stops at a value
+same row of the inputs: elementwise ops (operands broadcast along the axis stay whole), layer /
+RMS norms and softmax over other axes, ``matmul`` along its row or batch axes, reshapes that
+keep the axis whole, transposes, and a single-index ``take`` on another axis (Hugging Face
+classifiers read the first token the same way: BertForSequenceClassification 0.94x the time).
+It stops at a value
 something else reads too (that value is sliced there, not moved past) and at anything else
 (attention's key axis, a conv). The slice keeps the axis (size 1) on the way, so no op changes
 rank; the original ``take`` then picks index 0 of what is left. Exact: the same rows are
@@ -152,15 +152,11 @@ class _Rewriter(relax.PyExprMutator):
         if not isinstance(expr, relax.Var) or self.uses.get(expr, 0) != 1:
             return None
         call = self.lookup_binding(expr)
-        if isinstance(call, relax.TupleGetItem):
-            moved = self._dropout_output(call, rows)
-        elif op_name(call) is None or static_shape(call) is None:
+        name = op_name(call)
+        if name is None or static_shape(call) is None or any(static_shape(a) is None for a in _tensors(call)):
             return None
-        elif any(static_shape(a) is None for a in _tensors(call)):
-            return None
-        else:
-            rule = next((rule for ops, rule in _RULES if op_name(call) in ops), None)
-            moved = getattr(self, rule)(call, rows) if rule else None
+        rule = next((rule for ops, rule in _RULES if name in ops), None)
+        moved = getattr(self, rule)(call, rows) if rule else None
         if moved is None:
             return None
         # a safety net: a rule that got its axes wrong gives up here instead of changing the result
@@ -216,17 +212,6 @@ class _Rewriter(relax.PyExprMutator):
             list(range(rank))[::-1] if call.attrs.axes is None else [int(a) % rank for a in call.attrs.axes]
         )
         return relax.Call(call.op, [self._sliced(call.args[0], rows.on(axes[rows.axis]))], call.attrs)
-
-    def _dropout_output(self, item: relax.TupleGetItem, rows):
-        """``dropout(x)[0]`` (the dynamo exporter keeps inference dropout): elementwise."""
-        source = item.tuple_value
-        if item.index != 0 or not isinstance(source, relax.Var) or self.uses.get(source, 0) != 1:
-            return None
-        dropout = self.lookup_binding(source)
-        if op_name(dropout) != "relax.nn.dropout" or static_shape(dropout.args[0]) is None:
-            return None
-        sliced = relax.Call(dropout.op, [self._sliced(dropout.args[0], rows)], dropout.attrs)
-        return relax.TupleGetItem(self.builder_.emit(sliced), 0)
 
     def _take(self, call, rows):
         """A single-index ``take`` on another axis (Q out of a stacked Q/K/V)."""
