@@ -70,3 +70,24 @@ def test_a_mask_that_is_read_becomes_ones():
     assert not op_calls(removed["main"], {"relax.nn.dropout"})
     feeds = [np.arange(6, dtype="float32").reshape(2, 3)]
     np.testing.assert_array_equal(run_outputs(removed, feeds)[0], feeds[0])
+
+
+def test_other_functions_are_left_as_they_are():
+    """Kernels already split off (Primitive functions) keep their bindings, aliases included."""
+    x = relax.Var("x", relax.TensorType((2, 3), "float32"))
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType((2, 3), "float32"))
+    with bb.function("kernel", [a], {"Primitive": True}, private=True):
+        with bb.dataflow():
+            alias = bb.emit(a)
+            out = bb.emit_output(relax.op.add(alias, a))
+        bb.emit_func_output(out)
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            dropped = bb.emit(relax.TupleGetItem(bb.emit(relax.op.nn.dropout(x, 0.5)), 0))
+            out = bb.emit_output(relax.op.nn.relu(dropped))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    removed = RemoveInferenceDropout()(mod)
+    assert not op_calls(removed["main"], {"relax.nn.dropout"})
+    assert removed["kernel"].same_as(mod["kernel"])

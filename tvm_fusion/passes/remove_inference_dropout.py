@@ -6,7 +6,8 @@ imports as ``R.nn.dropout``, a tuple of the output and a mask. TVM legalizes it 
 copies ``x`` and writes a mask of ones, two full-size writes per dropout, and the copy splits
 the kernels around it (a GEMM's bias and residual add no longer fuse across it). The output is
 now ``x`` itself and the mask ``ones_like(x)`` (read by nothing in the exports seen), as ONNX
-Runtime does with its dropout elimination.
+Runtime does with its dropout elimination. Every dropout counts as inference: TVM's ONNX frontend
+ignores ``training_mode`` too, and tvm_fusion builds models for inference.
 """
 
 from __future__ import annotations
@@ -46,4 +47,6 @@ class RemoveInferenceDropout:
         if not updates:
             return mod
         # `y = x` aliases left where the dropout was: passes that walk producers see x's op again
-        return relax.transform.CanonicalizeBindings()(with_functions(mod, updates))
+        # (only in the functions rewritten here; the others, kernels included, stay as they are)
+        canonical = relax.transform.CanonicalizeBindings()(with_functions(mod, updates))
+        return with_functions(mod, {gvar: canonical[gvar] for gvar in updates})

@@ -15,7 +15,8 @@ It stops at a value
 something else reads too (that value is sliced there, not moved past) and at anything else
 (attention's key axis, a conv). The slice keeps the axis (size 1) on the way, so no op changes
 rank; the original ``take`` then picks index 0 of what is left. Exact: the same rows are
-computed the same way. Static shapes only.
+computed the same way. Static shapes only. An exported dropout stops it too; in the pipeline
+``RemoveInferenceDropout`` has removed them before.
 """
 
 from __future__ import annotations
