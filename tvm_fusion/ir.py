@@ -148,6 +148,23 @@ def tir_stmts(root) -> Iterator:
                 stack.append(child)
 
 
+class UseCountingMutator(relax.PyExprMutator):
+    """A mutator that knows how many bindings read each var (``count_uses`` of the function it
+    rewrites), for rewrites that may only replace a value nothing else reads. Subclasses set
+    ``rewrote`` when they change something."""
+
+    def __init__(self, mod: tvm.IRModule, uses: dict):
+        super().__init__(mod)
+        self.uses = uses
+        self.rewrote = False
+
+    def single_use_binding(self, expr):
+        """The value bound to ``expr`` if it is a var exactly one binding reads, else None."""
+        if not isinstance(expr, relax.Var) or self.uses.get(expr, 0) != 1:
+            return None
+        return self.lookup_binding(expr)
+
+
 def count_uses(func: relax.Function) -> dict[relax.Var, int]:
     """How many bindings (plus the function result) read each var."""
     uses: dict[relax.Var, int] = {}

@@ -20,6 +20,7 @@ import tvm
 from tvm import relax
 
 from ..ir import (
+    UseCountingMutator,
     count_uses,
     dtype_of,
     graph_functions,
@@ -83,25 +84,15 @@ def _shrinks(pool: relax.Call) -> bool:
 
 
 @relax.expr_functor.mutator
-class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod, uses: dict):
-        super().__init__(mod)
-        self.uses = uses  # Var -> number of bindings reading it
-        self.rewrote = False
-
-    def _single_use_binding(self, expr):
-        if not isinstance(expr, relax.Var) or self.uses.get(expr, 0) != 1:
-            return None
-        return self.lookup_binding(expr)
-
+class _Rewriter(UseCountingMutator):
     def visit_call_(self, call):
         call = super().visit_call_(call)
         if op_name(call) != _POOL or not _averages_each_window(call) or not _shrinks(call):
             return call
-        producer, bias = self._single_use_binding(call.args[0]), None
+        producer, bias = self.single_use_binding(call.args[0]), None
         if _is_channel_bias(producer):
             bias = producer.args[1]
-            producer = self._single_use_binding(producer.args[0])
+            producer = self.single_use_binding(producer.args[0])
         if not _is_pointwise_conv(producer):
             return call
         # the same pool on the conv's input, the same conv on the pooled map (attrs checked above)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ..ir import count_uses, graph_functions, op_name, shape_dims, with_functions
+from ..ir import UseCountingMutator, count_uses, graph_functions, op_name, shape_dims, with_functions
 
 __all__ = ["SimplifyUnitPermutes", "moves_only_unit_axes"]
 
@@ -49,11 +49,7 @@ def _trailing_norm_axes(call: relax.Call) -> int | None:
 
 
 @relax.expr_functor.mutator
-class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod, uses: dict):
-        super().__init__(mod)
-        self.uses = uses  # Var -> number of bindings reading it (the hoist needs exactly one)
-
+class _Rewriter(UseCountingMutator):  # the hoist needs a norm nothing else reads
     def visit_call_(self, call):
         call = super().visit_call_(call)
         if moves_only_unit_axes(call):
@@ -63,10 +59,7 @@ class _Rewriter(relax.PyExprMutator):
         return call
 
     def _hoist_over_layer_norm(self, reshape: relax.Call) -> relax.Call:
-        source = reshape.args[0]
-        if not isinstance(source, relax.Var) or self.uses.get(source, 0) != 1:
-            return reshape
-        norm = self.lookup_binding(source)
+        norm = self.single_use_binding(reshape.args[0])
         if op_name(norm) != "relax.nn.layer_norm":
             return reshape
         k = _trailing_norm_axes(norm)

@@ -27,7 +27,16 @@ import math
 import tvm
 from tvm import relax
 
-from ..ir import count_uses, graph_functions, int_values, op_calls, op_name, static_shape, with_functions
+from ..ir import (
+    UseCountingMutator,
+    count_uses,
+    graph_functions,
+    int_values,
+    op_calls,
+    op_name,
+    static_shape,
+    with_functions,
+)
 from ..policy import OP_CLASSES
 
 __all__ = ["SliceBeforeRowwiseOps"]
@@ -114,11 +123,9 @@ def _reshaped_axis(before: tuple, after: tuple, axis: int) -> int | None:
 
 
 @relax.expr_functor.mutator
-class _Rewriter(relax.PyExprMutator):
+class _Rewriter(UseCountingMutator):
     def __init__(self, mod, uses: dict):
-        super().__init__(mod)
-        self.uses = uses  # Var -> number of bindings reading it
-        self.rewrote = False
+        super().__init__(mod, uses)
         self.slices = {}  # (value, rows) -> the var holding that slice, emitted once
 
     def visit_call_(self, call):
@@ -150,9 +157,7 @@ class _Rewriter(relax.PyExprMutator):
     def _moved(self, expr, rows: _Rows):
         """``expr``'s producer recomputed on sliced inputs, or None where the slice cannot move up
         (a value read elsewhere too, an unknown shape, an op that mixes rows along the axis)."""
-        if not isinstance(expr, relax.Var) or self.uses.get(expr, 0) != 1:
-            return None
-        call = self.lookup_binding(expr)
+        call = self.single_use_binding(expr)
         name = op_name(call)
         if name is None or static_shape(call) is None or any(static_shape(a) is None for a in _tensors(call)):
             return None
