@@ -35,6 +35,7 @@ from ..ir import (
     op_calls,
     op_name,
     static_shape,
+    tensor_type,
     with_functions,
 )
 from ..policy import OP_CLASSES
@@ -229,7 +230,7 @@ class _Rewriter(UseCountingMutator):
 
 
 def _tensors(call: relax.Call) -> list:
-    return [arg for arg in call.args if isinstance(getattr(arg, "ty", None), relax.TensorType)]
+    return [arg for arg in call.args if tensor_type(arg) is not None]
 
 
 _RULES = [
