@@ -599,6 +599,7 @@ def test_in_model_check_applies_the_record_fastest_in_the_model(ms_ready, cpu, t
         return {keys[0]: [100.0, 99.0, 80.0, 90.0][variant], keys[1]: [100.0, 99.0, 98.0, 120.0][variant]}
 
     monkeypatch.setattr(in_model, "_workload_times", made_up_times)
+    monkeypatch.setattr(in_model, "SWEEP_KNOBS", {})  # the search's records only (the grid: next test)
     res = tuning.tune_model(
         model,
         cpu,
@@ -649,6 +650,65 @@ def test_in_model_check_applies_the_record_fastest_in_the_model(ms_ready, cpu, t
     (res.record_dir / tuning.MANIFEST_FILE).write_text(json.dumps(manifest))
     skipped, _ = tuning.slower_than_default(tuning.read_record_set(res.record_dir), cpu)
     assert keys[1] not in skipped
+
+
+def test_in_model_check_adds_the_grid_point_fastest_in_the_model(ms_ready, cpu, tmp_path, monkeypatch):
+    """The in-model check also builds the model with each point of the decision grid forced on
+    every kernel; a grid point that wins there for a task (and was never a record of it) is
+    added to its records, timed as it ran in the model, and applied by later builds. Times are
+    made up so that the choice is known; the grid is cut to one point (plan 5: the search's
+    4 trials per task measure the points nearest the default)."""
+    from tvm_fusion.tuning import in_model
+
+    model = _tiny_model((16, 32, 16))
+    calls = []
+
+    def made_up_times(vm, args, device, kernels):
+        variant = len(calls) % 5  # default, records #1..#3, then the grid point
+        calls.append(variant)
+        keys = sorted(set(kernels.values()))
+        # first task: the grid point wins in the model; second task: nothing beats the default
+        return {
+            keys[0]: [100.0, 99.0, 98.0, 97.0, 70.0][variant],
+            keys[1]: [100.0, 99.0, 98.0, 97.0, 99.5][variant],
+        }
+
+    monkeypatch.setattr(in_model, "_workload_times", made_up_times)
+    monkeypatch.setattr(in_model, "SWEEP_KNOBS", {"plan": [0, 5]})
+    res = tuning.tune_model(
+        model,
+        cpu,
+        name="tiny3",
+        trials=8,
+        log_root=tmp_path,
+        num_trials_per_iter=4,
+        progress=False,
+        in_model=True,
+    )
+    assert len(calls) == 5 * in_model.ROUNDS
+    keys = sorted(t.workload_key for t in res.tasks)
+    first, second = (next(t for t in res.tasks if t.workload_key == k) for k in keys)
+    assert first.in_model["tuned_us"] == 70.0 and first.applied and first.trials == 5
+    assert second.in_model["trace"] is None and not second.applied and second.trials == 4
+    rset = tuning.read_record_set(res.record_dir)
+    assert rset.trials_by_workload() == {keys[0]: 5, keys[1]: 4}
+    added = next(r for r in rset.records_of(keys[0]) if tuning.trace_id(r) == first.in_model["trace"])
+    assert [float(s) for s in added.run_secs] == [pytest.approx(70e-6)]  # its time in the model
+    decisions = [int(d) for inst, d in added.trace.decisions.items() if inst.kind.name == "SampleCategorical"]
+    assert decisions[0] == 5  # the plan forced by the grid
+    applied = res.database.get_all_tuning_records()
+    assert [tuning.trace_id(r) for r in applied] == [first.in_model["trace"]]
+    # the verdict still speaks for the records read lean (as a build reads them)
+    lean = tuning.read_record_set(res.record_dir, best_only=1)
+    assert lean.trials_by_workload() == rset.trials_by_workload()
+    db, _ = tuning.load_records(tmp_path, "tiny3", frontend.as_imported(model).model_hash, cpu)
+    assert [tuning.trace_id(r) for r in db.get_all_tuning_records()] == [first.in_model["trace"]]
+    built = tvm_fusion.build(model, cpu, name="tiny3", tuning_logs=tmp_path)
+    assert built.tuned_kernels == 1
+    feeds = models.random_inputs(model)
+    np.testing.assert_allclose(
+        run_executable(built.executable, feeds), ort_run(model, feeds), rtol=1e-4, atol=1e-4
+    )
 
 
 @pytest.mark.slow

@@ -284,8 +284,8 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--in-model",
         action="store_true",
-        help="afterwards, choose each kernel's record among its 3 best by its time inside the whole "
-        "model (4 more builds of the model)",
+        help="afterwards, choose each kernel's schedule by its time inside the whole model: among "
+        "its 3 best records and a grid of plan x accumulator choices (up to 13 more builds)",
     )
     t.set_defaults(func=cmd_tune)
 

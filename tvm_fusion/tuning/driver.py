@@ -445,9 +445,9 @@ def tune_model(
     a per-kernel summary. ``policy``/``options`` must be what the build will get (they shape the
     fused kernels). Other keywords go to :func:`tune` (``rpc``, ``max_trials_per_task``,
     ``num_trials_per_iter``, ``progress``, ...). With ``in_model`` (measuring on this machine),
-    each task's best few records are then timed inside the whole model and the one fastest there
-    is applied, if it beats the default there (``in_model.py``; 1 + ``CANDIDATES`` builds; off by
-    default: on SqueezeNet and ResNet-18 it chose as well as the alone check, not better).
+    each task's best few records and a grid of its rule's main decisions are then timed inside
+    the whole model and the schedule fastest there is applied, if it beats the default there
+    (``in_model.py``; 1 + ``CANDIDATES`` + 9 builds).
     ``tvm_fusion.benchmark.measure_speedup`` then times the tuned build against the untuned one."""
     target = parse_target(target)
     imported = as_imported(source, name)
@@ -500,6 +500,8 @@ def _check_in_model(result: TuneResult, imported, target, policy, options, tune_
     )
     for summary in result.tasks:
         summary.in_model = verdicts.get(summary.workload_key, summary.in_model)
+        if summary.in_model is not None:
+            summary.trials = max(summary.trials, summary.in_model["trials"])  # a grid point added
     rset = read_record_set(result.record_dir)
     skipped, _ = slower_than_default(rset, target)
     result.database = rset.to_database(exclude=skipped)
