@@ -703,6 +703,9 @@ def test_in_model_check_adds_the_grid_point_fastest_in_the_model(ms_ready, cpu, 
     assert lean.trials_by_workload() == rset.trials_by_workload()
     db, _ = tuning.load_records(tmp_path, "tiny3", frontend.as_imported(model).model_hash, cpu)
     assert [tuning.trace_id(r) for r in db.get_all_tuning_records()] == [first.in_model["trace"]]
+    # checking again finds the same point already among the records: nothing is added twice
+    in_model.check_in_model(frontend.as_imported(model, "tiny3"), cpu, res.record_dir)
+    assert tuning.read_record_set(res.record_dir).trials_by_workload() == {keys[0]: 5, keys[1]: 4}
     built = tvm_fusion.build(model, cpu, name="tiny3", tuning_logs=tmp_path)
     assert built.tuned_kernels == 1
     feeds = models.random_inputs(model)

@@ -165,7 +165,8 @@ def check_in_model(imported, target, record_dir, *, policy=None, options=None, s
             continue
         tuned_us, rec = min(tried, key=lambda x: x[0])
         wins = tuned_us < default_us * (1.0 - MIN_GAIN)
-        if wins and all(trace_id(rec) != trace_id(r) for r in candidates.get(key, [])):
+        # new unless a record has it: the best few, or the grid point an earlier check added
+        if wins and all(trace_id(rec) != trace_id(r) for r in rset.records_of(key)):
             added[key] = ms.database.TuningRecord(
                 rec.trace, rec.workload, [tuned_us * 1e-6], target, rec.args_info
             )
@@ -188,6 +189,9 @@ def _add_records(record_dir, added: dict) -> None:
     rset = read_record_set(record_dir)
     workloads = {workload_key(w.mod): w for w in rset.workloads}
     for key, rec in added.items():
+        if key not in workloads:  # a kernel no tuning run has registered
+            workloads[key] = rec.workload
+            rset.workloads.append(rec.workload)
         rset.records.append(
             ms.database.TuningRecord(rec.trace, workloads[key], rec.run_secs, rec.target, rec.args_info)
         )
