@@ -21,7 +21,6 @@ a file after changing its model's config. Rows go to ``docs/more_models.json`` a
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -32,17 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import zoo  # noqa: E402  (scripts/zoo.py: exporters, model inputs, interleaved timing)
 
-def _load_zoo():
-    """scripts/zoo.py (exporters, model inputs, interleaved timing), imported by its path."""
-    spec = importlib.util.spec_from_file_location("tvm_fusion_zoo_script", Path(__file__).with_name("zoo.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-zoo = _load_zoo()
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE = Path(os.environ.get("TVM_FUSION_MORE", "/work/zoo/more"))
 ROW = "ROW "  # the child's result line: ROW <json>
