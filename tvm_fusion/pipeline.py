@@ -20,6 +20,8 @@ Order, and why:
    on a 14x14 map) are dropped from the kernel, with the padding shrunk to match.
    ``SimplifyUnitPermutes``: a transpose of size-1 axes only (ViT's seq-first attention at batch 1)
    is a free reshape, moved in front of a layer norm so that the norm still fuses into its GEMM.
+   ``SliceBeforeLayoutOps``: a ``take`` out of a transposed view that reads one block of its
+   source (Q, K and V out of ``nn.MultiheadAttention``'s packed projection) slices the source.
    ``SliceBeforeRowwiseOps``: a ``take`` of one row (a ViT's class token) moves in front of the
    row-wise ops that computed it, so the last layer's MLP and projection run on that row only.
    ``SplitConvAtBorders`` (CPU): a dilated conv whose border outputs read fewer taps (DeepLabV3's
@@ -73,6 +75,7 @@ from .passes import (
     RewriteLayout,
     SimplifyPoolCeilMode,
     SimplifyUnitPermutes,
+    SliceBeforeLayoutOps,
     SliceBeforeRowwiseOps,
     SplitConvAtBorders,
     StackAllocateLoopBuffers,
@@ -145,6 +148,7 @@ def pipeline_stages(
         PoolBeforePointwiseConv(),
         TrimPaddingTaps(),
         SimplifyUnitPermutes(),
+        SliceBeforeLayoutOps(),
         SliceBeforeRowwiseOps(),
     ]
     if target.kind.name == "llvm":  # GPU: not measured

@@ -17,6 +17,7 @@ from .resize_as_matmul import LinearResizeAsMatmul
 from .rewrite_layout import RewriteLayout, count_layout_transforms
 from .simplify_pool_ceil_mode import SimplifyPoolCeilMode
 from .simplify_unit_permutes import SimplifyUnitPermutes
+from .slice_before_layout_ops import SliceBeforeLayoutOps
 from .slice_before_rowwise_ops import SliceBeforeRowwiseOps
 from .split_conv_at_borders import SplitConvAtBorders
 from .stack_allocate_loop_buffers import StackAllocateLoopBuffers
@@ -40,6 +41,7 @@ __all__ = [
     "RewriteLayout",
     "SimplifyPoolCeilMode",
     "SimplifyUnitPermutes",
+    "SliceBeforeLayoutOps",
     "SliceBeforeRowwiseOps",
     "SplitConvAtBorders",
     "StackAllocateLoopBuffers",

@@ -66,7 +66,7 @@ class _Rows:
         return dataclasses.replace(self, axis=axis)
 
 
-def _index(take: relax.Call) -> int | None:
+def take_index(take: relax.Call) -> int | None:
     """The constant scalar index of a one-axis ``take`` that picks one row in bounds (a negative
     one only in ``wrap`` mode, where it counts from the end); None for anything else."""
     index, shape = take.args[1], static_shape(take.args[0])
@@ -83,7 +83,7 @@ def _index(take: relax.Call) -> int | None:
 
 def _take_rows(take: relax.Call) -> _Rows | None:
     """The row a ``take`` of one constant index keeps (None if its input has only that row)."""
-    if (index := _index(take)) is None:
+    if (index := take_index(take)) is None:
         return None
     shape = static_shape(take.args[0])
     axis = int(take.attrs.axis) % len(shape)
@@ -222,7 +222,7 @@ class _Rewriter(UseCountingMutator):
 
     def _take(self, call, rows):
         """A single-index ``take`` on another axis (Q out of a stacked Q/K/V)."""
-        if _index(call) is None:
+        if take_index(call) is None:
             return None
         axis = int(call.attrs.axis) % len(static_shape(call.args[0]))
         source = rows.on(rows.axis + (rows.axis >= axis))

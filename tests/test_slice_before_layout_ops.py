@@ -1,0 +1,90 @@
+import numpy as np
+import onnx
+from conftest import ort_outputs, run_outputs
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+
+from tvm_fusion import build
+from tvm_fusion.frontend import import_onnx
+from tvm_fusion.ir import op_calls
+from tvm_fusion.passes import SliceBeforeLayoutOps
+
+TOKENS, DIM = 5, 8
+
+
+def _model(nodes, inits, outputs, x_shape):
+    graph = helper.make_graph(
+        nodes,
+        "layout_takes",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    feeds = {"x": np.random.default_rng(1).standard_normal(x_shape).astype("float32")}
+    return onnx.shape_inference.infer_shapes(model), feeds
+
+
+def packed_projection_model():
+    """``nn.MultiheadAttention``'s packed in-projection, as torch exports it (ViT): one GEMM to
+    ``[S, 1, 3E]``, then unflatten, unsqueeze, transpose, squeeze, and Q / K / V taken out of the
+    stacked axis."""
+    rng = np.random.default_rng(0)
+    const = lambda name, value: numpy_helper.from_array(np.asarray(value), name)  # noqa: E731
+    inits = [
+        const("w", rng.standard_normal((DIM, 3 * DIM)).astype("float32")),
+        const("b", rng.standard_normal(3 * DIM).astype("float32")),
+        const("split", np.array([TOKENS, 1, 3, DIM])),
+        const("zero", np.array([0])),
+        const("stacked", np.array([3])),
+        *(const(f"i{i}", np.array(i)) for i in range(3)),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["xw"]),
+        helper.make_node("Add", ["xw", "b"], ["qkv"]),
+        helper.make_node("Reshape", ["qkv", "split"], ["unflat"]),
+        helper.make_node("Unsqueeze", ["unflat", "zero"], ["unsq"]),
+        helper.make_node("Transpose", ["unsq"], ["moved"], perm=[3, 1, 2, 0, 4]),
+        helper.make_node("Squeeze", ["moved", "stacked"], ["stack"]),
+        *(helper.make_node("Gather", ["stack", f"i{i}"], [name], axis=0) for i, name in enumerate("qkv")),
+    ]
+    return _model(nodes, inits, ["q", "k", "v"], [TOKENS, 1, DIM])
+
+
+def test_qkv_out_of_a_packed_projection_are_slices_of_it_and_nothing_is_transposed(cpu_target):
+    model, feeds = packed_projection_model()
+    mod = relax.transform.FoldConstant()(import_onnx(model).mod)
+    assert op_calls(mod["main"], {"relax.permute_dims"}) and len(op_calls(mod["main"], {"relax.take"})) == 3
+    rewritten = SliceBeforeLayoutOps()(mod)
+    assert not op_calls(rewritten["main"], {"relax.permute_dims", "relax.take"})
+    slices = op_calls(rewritten["main"], {"relax.strided_slice"})
+    # each one a block of the projection's last axis: Q, K and V side by side
+    assert sorted(tuple(int(v) for v in call.args[2]) for call in slices) == [(0,), (DIM,), (2 * DIM,)]
+    reference = ort_outputs(model, feeds)
+    for got, want in zip(run_outputs(rewritten, feeds), reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    result = build(model, cpu_target, name="packed", tuning_logs=None)
+    assert not any("permute" in gv.name_hint for gv in result.lowered.functions)
+    for got, want in zip(run_outputs(result.executable, feeds), reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_take_that_reads_every_other_element_stays_a_take(cpu_target):
+    """``[4, 6] -> [4, 3, 2] -> transpose -> take(0)`` reads ``x[:, 0::2]``: no block of ``x``."""
+    inits = [
+        numpy_helper.from_array(np.array([4, 3, 2]), "pairs"),
+        numpy_helper.from_array(np.array(0), "first"),
+    ]
+    nodes = [
+        helper.make_node("Reshape", ["x", "pairs"], ["paired"]),
+        helper.make_node("Transpose", ["paired"], ["moved"], perm=[2, 0, 1]),
+        helper.make_node("Gather", ["moved", "first"], ["y"], axis=0),
+    ]
+    model, feeds = _model(nodes, inits, ["y"], [4, 6])
+    mod = relax.transform.FoldConstant()(import_onnx(model).mod)
+    rewritten = SliceBeforeLayoutOps()(mod)
+    assert len(op_calls(rewritten["main"], {"relax.take"})) == 1
+    assert not op_calls(rewritten["main"], {"relax.strided_slice"})
+    result = build(model, cpu_target, name="strided", tuning_logs=None)
+    np.testing.assert_allclose(run_outputs(result.executable, feeds)[0], ort_outputs(model, feeds)[0])
