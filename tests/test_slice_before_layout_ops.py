@@ -1,5 +1,6 @@
 import numpy as np
 import onnx
+import pytest
 from conftest import ort_outputs, run_outputs
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
@@ -65,7 +66,8 @@ def test_qkv_out_of_a_packed_projection_are_slices_of_it_and_nothing_is_transpos
     for got, want in zip(run_outputs(rewritten, feeds), reference):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     result = build(model, cpu_target, name="packed", tuning_logs=None)
-    assert not any("permute" in gv.name_hint for gv in result.lowered.functions)
+    kernels = [gv.name_hint for gv in result.lowered.functions]
+    assert not any(op in name for name in kernels for op in ("permute", "transpose", "take")), kernels
     for got, want in zip(run_outputs(result.executable, feeds), reference):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -88,3 +90,47 @@ def test_a_take_that_reads_every_other_element_stays_a_take(cpu_target):
     assert not op_calls(rewritten["main"], {"relax.strided_slice"})
     result = build(model, cpu_target, name="strided", tuning_logs=None)
     np.testing.assert_allclose(run_outputs(result.executable, feeds)[0], ort_outputs(model, feeds)[0])
+
+
+@pytest.mark.parametrize(
+    "shape, layout, index, axis, mode, block",
+    [
+        ((4, 6), [("reshape", (4, 2, 3))], 1, 1, "fast", (1, 3, 6)),  # x[:, 3:6]
+        ((1, 3, 4), [("permute", None)], -1, 0, "wrap", (2, 3, 4)),  # reversed axes: x[:, :, 3]
+        ((2, 3, 4), [("permute", None)], -1, 0, "wrap", None),  # x[:, :, 3], but transposed
+        ((3, 4), [("expand", 0), ("squeeze", None)], 2, -2, "clip", (0, 2, 3)),  # x[2, :]
+        ((2, 3), [("flatten", None)], 4, 0, "fast", None),  # one element: no axis block to slice
+    ],
+)
+def test_layout_chains_replayed_on_indices(shape, layout, index, axis, mode, block):
+    """Reshapes, ``permute_dims`` without axes, expand / squeeze, flatten, a negative axis and a
+    wrap-mode negative index: the take becomes the slice it reads, or stays, and the function
+    computes the same values either way."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            view = x
+            for op, arg in layout:
+                view = bb.emit(
+                    {
+                        "reshape": lambda v, a: relax.op.reshape(v, a),
+                        "permute": lambda v, a: relax.op.permute_dims(v, a),
+                        "expand": lambda v, a: relax.op.expand_dims(v, a),
+                        "squeeze": lambda v, a: relax.op.squeeze(v, a),
+                        "flatten": lambda v, a: relax.op.flatten(v),
+                    }[op](view, arg)
+                )
+            out = bb.emit_output(relax.op.take(view, relax.const(index, "int64"), axis=axis, mode=mode))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    rewritten = SliceBeforeLayoutOps()(mod)
+    slices = op_calls(rewritten["main"], {"relax.strided_slice"})
+    if block is None:
+        assert not slices and op_calls(rewritten["main"], {"relax.take"})
+    else:
+        assert not op_calls(rewritten["main"], {"relax.take"})
+        (call,) = slices
+        assert tuple(int(v) for arg in call.args[1:4] for v in arg) == block
+    data = np.arange(np.prod(shape), dtype="float32").reshape(shape)
+    np.testing.assert_array_equal(run_outputs(rewritten, [data])[0], run_outputs(mod, [data])[0])

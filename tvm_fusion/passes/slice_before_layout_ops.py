@@ -53,14 +53,18 @@ class _Rewriter(relax.PyExprMutator):
 
     def _layout_chain(self, expr) -> tuple:
         """``(source, [layout calls from the source on])``: the value in front of the longest run
-        of layout ops that ends at ``expr``."""
+        of layout ops that ends at ``expr``. The run stops at a block's output var whose producer
+        reads a dataflow var, which is out of scope where the take is."""
         chain = []
         while isinstance(expr, relax.Var):
             value = self.lookup_binding(expr)
             if op_name(value) not in _RESHAPES | {_PERMUTE} or static_shape(value) is None:
                 break
+            source = value.args[0]
+            if isinstance(source, relax.DataflowVar) and not isinstance(expr, relax.DataflowVar):
+                break
             chain.append(value)
-            expr = value.args[0]
+            expr = source
         return expr, chain[::-1]
 
 
