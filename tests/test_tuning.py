@@ -581,6 +581,35 @@ def test_interrupted_tuning_resumes_without_redoing_trials(ms_ready, cpu, tmp_pa
     )
 
 
+def _tuned_with_made_up_in_model_times(model, cpu, name, tmp_path, monkeypatch, times, sweep):
+    """``tune_model`` (8 trials, 2 tasks) with the in-model check, its kernel times made up so that
+    its choice is known: ``times[task][variant]`` in µs, the variants being timed in turn;
+    ``sweep`` is the check's grid. Returns the result and the variants in the order timed."""
+    from tvm_fusion.tuning import in_model
+
+    calls = []
+
+    def made_up_times(vm, args, device, kernels):
+        variant = len(calls) % len(times[0])
+        calls.append(variant)
+        keys = sorted(set(kernels.values()))
+        return {keys[0]: times[0][variant], keys[1]: times[1][variant]}
+
+    monkeypatch.setattr(in_model, "_workload_times", made_up_times)
+    monkeypatch.setattr(in_model, "SWEEP_KNOBS", sweep)
+    res = tuning.tune_model(
+        model,
+        cpu,
+        name=name,
+        trials=8,
+        log_root=tmp_path,
+        num_trials_per_iter=4,
+        progress=False,
+        in_model=True,
+    )
+    return res, calls
+
+
 def test_in_model_check_applies_the_record_fastest_in_the_model(ms_ready, cpu, tmp_path, monkeypatch):
     """After the search, each task's best records are built into the model and timed there; the
     one fastest *in the model* is applied (not the fastest alone), only if it beats the default
@@ -589,26 +618,16 @@ def test_in_model_check_applies_the_record_fastest_in_the_model(ms_ready, cpu, t
     from tvm_fusion.tuning import in_model
 
     model = _tiny_model((16, 32, 16))
-    calls = []
-
-    def made_up_times(vm, args, device, kernels):
-        variant = len(calls) % 4  # variants are timed in turn: default, then records #1..#3
-        calls.append(variant)
-        keys = sorted(set(kernels.values()))
-        # first task: record #2 wins in the model; second task: nothing beats the default there
-        return {keys[0]: [100.0, 99.0, 80.0, 90.0][variant], keys[1]: [100.0, 99.0, 98.0, 120.0][variant]}
-
-    monkeypatch.setattr(in_model, "_workload_times", made_up_times)
-    monkeypatch.setattr(in_model, "SWEEP_KNOBS", {})  # the search's records only (the grid: next test)
-    res = tuning.tune_model(
+    # variants timed in turn: default, then records #1..#3 (the grid off: next test). First task:
+    # record #2 wins in the model; second task: nothing beats the default there
+    res, calls = _tuned_with_made_up_in_model_times(
         model,
         cpu,
-        name="tiny2",
-        trials=8,
-        log_root=tmp_path,
-        num_trials_per_iter=4,
-        progress=False,
-        in_model=True,
+        "tiny2",
+        tmp_path,
+        monkeypatch,
+        [[100.0, 99.0, 80.0, 90.0], [100.0, 99.0, 98.0, 120.0]],
+        {},
     )
     assert len(calls) == 4 * in_model.ROUNDS
     rset = tuning.read_record_set(res.record_dir)
@@ -661,29 +680,11 @@ def test_in_model_check_adds_the_grid_point_fastest_in_the_model(ms_ready, cpu, 
     from tvm_fusion.tuning import in_model
 
     model = _tiny_model((16, 32, 16))
-    calls = []
-
-    def made_up_times(vm, args, device, kernels):
-        variant = len(calls) % 5  # default, records #1..#3, then the grid point
-        calls.append(variant)
-        keys = sorted(set(kernels.values()))
-        # first task: the grid point wins in the model; second task: nothing beats the default
-        return {
-            keys[0]: [100.0, 99.0, 98.0, 97.0, 70.0][variant],
-            keys[1]: [100.0, 99.0, 98.0, 97.0, 99.5][variant],
-        }
-
-    monkeypatch.setattr(in_model, "_workload_times", made_up_times)
-    monkeypatch.setattr(in_model, "SWEEP_KNOBS", {"plan": [0, 5]})
-    res = tuning.tune_model(
-        model,
-        cpu,
-        name="tiny3",
-        trials=8,
-        log_root=tmp_path,
-        num_trials_per_iter=4,
-        progress=False,
-        in_model=True,
+    # default, records #1..#3, then the grid point. First task: the grid point wins in the model;
+    # second task: nothing beats the default
+    times = [[100.0, 99.0, 98.0, 97.0, 70.0], [100.0, 99.0, 98.0, 97.0, 99.5]]
+    res, calls = _tuned_with_made_up_in_model_times(
+        model, cpu, "tiny3", tmp_path, monkeypatch, times, {"plan": [0, 5]}
     )
     assert len(calls) == 5 * in_model.ROUNDS
     keys = sorted(t.workload_key for t in res.tasks)
