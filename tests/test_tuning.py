@@ -583,14 +583,15 @@ def test_interrupted_tuning_resumes_without_redoing_trials(ms_ready, cpu, tmp_pa
 
 def _tuned_with_made_up_in_model_times(model, cpu, name, tmp_path, monkeypatch, times, sweep):
     """``tune_model`` (8 trials, 2 tasks) with the in-model check, its kernel times made up so that
-    its choice is known: ``times[task][variant]`` in µs, the variants being timed in turn;
-    ``sweep`` is the check's grid. Returns the result and the variants in the order timed."""
+    its choice is known: ``times[task][build]`` in µs, the builds numbered in the order they are
+    first timed (the default, the variants, then the winners' confirmation build); ``sweep`` is
+    the check's grid. Returns the result and the builds in the order timed."""
     from tvm_fusion.tuning import in_model
 
-    calls = []
+    calls, builds = [], {}
 
     def made_up_times(vm, args, device, kernels):
-        variant = len(calls) % len(times[0])
+        variant = builds.setdefault(id(vm), len(builds)) % len(times[0])
         calls.append(variant)
         keys = sorted(set(kernels.values()))
         return {keys[0]: times[0][variant], keys[1]: times[1][variant]}
@@ -618,23 +619,17 @@ def test_in_model_check_applies_the_record_fastest_in_the_model(ms_ready, cpu, t
     from tvm_fusion.tuning import in_model
 
     model = _tiny_model((16, 32, 16))
-    # variants timed in turn: default, then records #1..#3 (the grid off: next test). First task:
-    # record #2 wins in the model; second task: nothing beats the default there
-    res, calls = _tuned_with_made_up_in_model_times(
-        model,
-        cpu,
-        "tiny2",
-        tmp_path,
-        monkeypatch,
-        [[100.0, 99.0, 80.0, 90.0], [100.0, 99.0, 98.0, 120.0]],
-        {},
-    )
-    assert len(calls) == 4 * in_model.ROUNDS
+    # builds: default, records #1..#3 (the grid off: next test), then the winners together. First
+    # task: record #2 wins in the model, and again in the winners' build; second task: record #2
+    # wins too, but not when timed again (the fastest of four noisy times is biased low)
+    times = [[100.0, 99.0, 80.0, 90.0, 80.0], [100.0, 99.0, 96.0, 120.0, 99.5]]
+    res, calls = _tuned_with_made_up_in_model_times(model, cpu, "tiny2", tmp_path, monkeypatch, times, {})
+    assert len(calls) == (4 + 2) * in_model.ROUNDS
     rset = tuning.read_record_set(res.record_dir)
     keys = sorted(t.workload_key for t in res.tasks)
     first, second = (next(t for t in res.tasks if t.workload_key == k) for k in keys)
     assert first.in_model["tuned_us"] == 80.0 and first.in_model["default_us"] == 100.0 and first.applied
-    assert second.in_model["trace"] is None and not second.applied
+    assert second.in_model["trace"] is None and second.in_model["tuned_us"] == 99.5 and not second.applied
     assert "in the model: tuned 80.00 us vs default 100.00 us -> tuned schedule used" in str(res)
     chosen = rset.best_records(keys[0], 3)[1]  # the second fastest alone
     applied = res.database.get_all_tuning_records()
@@ -680,13 +675,13 @@ def test_in_model_check_adds_the_grid_point_fastest_in_the_model(ms_ready, cpu, 
     from tvm_fusion.tuning import in_model
 
     model = _tiny_model((16, 32, 16))
-    # default, records #1..#3, then the grid point. First task: the grid point wins in the model;
-    # second task: nothing beats the default
-    times = [[100.0, 99.0, 98.0, 97.0, 70.0], [100.0, 99.0, 98.0, 97.0, 99.5]]
+    # default, records #1..#3, the grid point, then the winners' build. First task: the grid point
+    # wins in the model; second task: nothing beats the default
+    times = [[100.0, 99.0, 98.0, 97.0, 70.0, 70.0], [100.0, 99.0, 98.0, 97.0, 99.5, 100.0]]
     res, calls = _tuned_with_made_up_in_model_times(
         model, cpu, "tiny3", tmp_path, monkeypatch, times, {"plan": [0, 5]}
     )
-    assert len(calls) == 5 * in_model.ROUNDS
+    assert len(calls) == (5 + 2) * in_model.ROUNDS  # then the default and the winners' build again
     keys = sorted(t.workload_key for t in res.tasks)
     first, second = (next(t for t in res.tasks if t.workload_key == k) for k in keys)
     assert first.in_model["tuned_us"] == 70.0 and first.applied and first.trials == 5

@@ -285,7 +285,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--in-model",
         action="store_true",
         help="afterwards, choose each kernel's schedule by its time inside the whole model: among "
-        "its 3 best records and a grid of plan x accumulator choices (up to 13 more builds)",
+        "its 3 best records and a grid of plan x accumulator choices, winners confirmed in one more "
+        "build (up to 14 more builds)",
     )
     t.set_defaults(func=cmd_tune)
 

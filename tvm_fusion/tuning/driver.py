@@ -447,7 +447,7 @@ def tune_model(
     ``num_trials_per_iter``, ``progress``, ...). With ``in_model`` (measuring on this machine),
     each task's best few records and a grid of its rule's main decisions are then timed inside
     the whole model and the schedule fastest there is applied, if it beats the default there
-    (``in_model.py``; 1 + ``CANDIDATES`` + 9 builds).
+    (``in_model.py``; 1 + ``CANDIDATES`` + 9 builds, and one more that confirms the winners).
     ``tvm_fusion.benchmark.measure_speedup`` then times the tuned build against the untuned one."""
     target = parse_target(target)
     imported = as_imported(source, name)
