@@ -591,7 +591,8 @@ def _tuned_with_made_up_in_model_times(model, cpu, name, tmp_path, monkeypatch, 
     calls, builds = [], {}
 
     def made_up_times(vm, args, device, kernels):
-        variant = builds.setdefault(id(vm), len(builds)) % len(times[0])
+        # each VM kept here, so that no later one reuses its id
+        variant = builds.setdefault(id(vm), (len(builds), vm))[0] % len(times[0])
         calls.append(variant)
         keys = sorted(set(kernels.values()))
         return {keys[0]: times[0][variant], keys[1]: times[1][variant]}

@@ -173,9 +173,11 @@ def check_in_model(imported, target, record_dir, *, policy=None, options=None, s
         again = _fastest_times(
             [vms[0], tvm.relax.VirtualMachine(confirmed.executable, device)], args, device, kernels
         )
-        for key, rec in winners.items():
+        for key, rec in list(winners.items()):
             if key in again[0] and key in again[1]:
                 picked[key] = (again[0][key], again[1][key], rec)
+            else:  # not timed again (not in that build under its name): not confirmed
+                del winners[key]
     verdicts, added = {}, {}
     for key, (default_us, tuned_us, rec) in picked.items():
         wins = key in winners and _beats(tuned_us, default_us)
