@@ -112,9 +112,10 @@ def _workload_times(vm, args, device, kernels: dict[str, str]) -> dict[str, floa
 
 
 def check_in_model(imported, target, record_dir, *, policy=None, options=None, say=None) -> dict:
-    """Build the default and ``CANDIDATES`` tuned variants of the model, time every tuned
-    workload's kernels in each (interleaved, fastest of ``ROUNDS``), and write each task's
-    verdict into the manifest. Returns ``{workload key: in_model entry}``."""
+    """Build the default, ``CANDIDATES`` record variants and the ``SWEEP_KNOBS`` grid variants of
+    the model, time every workload's kernels in each (interleaved, fastest of ``ROUNDS``), confirm
+    the winners in one more build, and write each task's verdict into the manifest (adding the
+    grid points that won to the records). Returns ``{workload key: in_model entry}``."""
     from ..api import build
     from ..pipeline import unscheduled_module
 
