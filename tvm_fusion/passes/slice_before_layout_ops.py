@@ -27,7 +27,7 @@ __all__ = ["SliceBeforeLayoutOps"]
 _TAKE = "relax.take"
 _RESHAPES = {"relax.reshape", "relax.expand_dims", "relax.squeeze", "relax.flatten"}
 _PERMUTE = "relax.permute_dims"
-MAX_ELEMENTS = 1 << 24  # the largest source whose element indices are emulated
+MAX_ELEMENTS = 1 << 22  # the largest source whose element indices are emulated (32 MiB of int64)
 
 
 @relax.expr_functor.mutator
