@@ -37,8 +37,8 @@ from ..profiling import kernel_times
 from ..targets import device_for
 from .packed_weights import candidate_args
 from .records import (
-    MIN_GAIN,
     RecordLock,
+    beats_default,
     commit_records,
     read_record_set,
     set_task_fields,
@@ -165,7 +165,7 @@ def check_in_model(imported, target, record_dir, *, policy=None, options=None, s
     # the fastest of many noisy variants is biased low: the winners are timed again, all in one
     # build, against the default, and a winner that no longer beats it keeps the default
     winners = {
-        key: rec for key, (default_us, tuned_us, rec) in picked.items() if _beats(tuned_us, default_us)
+        key: rec for key, (default_us, tuned_us, rec) in picked.items() if beats_default(tuned_us, default_us)
     }
     if winners:
         if say is not None:
@@ -181,7 +181,7 @@ def check_in_model(imported, target, record_dir, *, policy=None, options=None, s
                 del winners[key]
     verdicts, added = {}, {}
     for key, (default_us, tuned_us, rec) in picked.items():
-        wins = key in winners and _beats(tuned_us, default_us)
+        wins = key in winners and beats_default(tuned_us, default_us)
         # new unless a record has it: the best few, or the grid point an earlier check added
         if wins and all(trace_id(rec) != trace_id(r) for r in rset.records_of(key)):
             added[key] = ms.database.TuningRecord(
@@ -198,10 +198,6 @@ def check_in_model(imported, target, record_dir, *, policy=None, options=None, s
             _add_records(record_dir, added)
         set_task_fields(record_dir, {key: {"in_model": verdict} for key, verdict in verdicts.items()})
     return verdicts
-
-
-def _beats(tuned_us: float, default_us: float) -> bool:
-    return tuned_us < default_us * (1.0 - MIN_GAIN)
 
 
 def _fastest_times(vms: list, args, device, kernels: dict[str, str]) -> list[dict[str, float]]:
