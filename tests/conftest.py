@@ -25,6 +25,18 @@ def cpu_target():
     return llvm_target()
 
 
+def relax_main(inputs: dict, body) -> tvm.IRModule:
+    """A module whose ``main`` takes float32 tensors named and shaped by ``inputs`` and returns
+    ``body(bb, *params)``, built in one dataflow block (``body`` may ``bb.emit`` on the way)."""
+    bb = relax.BlockBuilder()
+    params = [relax.Var(name, relax.TensorType(shape, "float32")) for name, shape in inputs.items()]
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, *params))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
 def run_outputs(mod_or_executable, feeds, target=None) -> list[np.ndarray]:
     """Every output of ``main`` run on the CPU. ``mod_or_executable``: a Relax module (compiled
     here with plain ``tvm.compile`` for ``target``, default this CPU) or a compiled executable;

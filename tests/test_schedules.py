@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from conftest import HOST_HAS_AVX512, ort_run, run_relax
+from conftest import HOST_HAS_AVX512, ort_run, relax_main, run_relax
 from tvm import relax, s_tir, te, tirx, topi
 from tvm.s_tir import dlight as dl
-from tvm.script import relax as R
 
 from tvm_fusion import models
 from tvm_fusion.legalize import LegalizeOps
@@ -50,17 +49,6 @@ def parallel_even_tiny_kernels(monkeypatch, request):
 
 def _rand(*shape, scale=1.0):
     return (RNG.standard_normal(shape) * scale).astype("float32")
-
-
-def _module(inputs: dict, body) -> tvm.IRModule:
-    """A Relax module main(inputs...) = body(bb, *vars); weights are bound relax.Constants."""
-    bb = relax.BlockBuilder()
-    params = [relax.Var(name, R.Tensor(shape, "float32")) for name, shape in inputs.items()]
-    with bb.function("main", params):
-        with bb.dataflow():
-            out = bb.emit_output(body(bb, *params))
-        bb.emit_func_output(out)
-    return bb.get()
 
 
 def _fused(mod):
@@ -112,7 +100,7 @@ def _check(mod, feeds, rtol=1e-5, atol=1e-5, need_vector=True):
 # -- dense / matmul ---------------------------------------------------------------------------
 def test_matmul_constant_weight_is_packed():
     w = _rand(64, 96, scale=0.1)
-    mod = _module({"x": (32, 64)}, lambda bb, x: relax.op.matmul(x, relax.const(w)))
+    mod = relax_main({"x": (32, 64)}, lambda bb, x: relax.op.matmul(x, relax.const(w)))
     x = _rand(32, 64)
     sched = _check(mod, [x])
     np.testing.assert_allclose(_run(sched, [x]), x @ w, rtol=1e-4, atol=1e-4)
@@ -125,14 +113,14 @@ def test_matmul_constant_weight_is_packed():
 
 def test_matmul_without_prepack_has_same_numbers():
     w = _rand(40, 24, scale=0.1)
-    mod = _module({"x": (10, 40)}, lambda bb, x: relax.op.matmul(x, relax.const(w)))
+    mod = relax_main({"x": (10, 40)}, lambda bb, x: relax.op.matmul(x, relax.const(w)))
     x = _rand(10, 40)
     sched = _scheduled(mod, prepack=False)
     np.testing.assert_allclose(_run(sched, [x]), x @ w, rtol=1e-4, atol=1e-4)
 
 
 def test_batch_matmul_two_activations():
-    mod = _module({"a": (3, 20, 16), "b": (3, 16, 24)}, lambda bb, a, b: relax.op.matmul(a, b))
+    mod = relax_main({"a": (3, 20, 16), "b": (3, 16, 24)}, lambda bb, a, b: relax.op.matmul(a, b))
     _check(mod, [_rand(3, 20, 16), _rand(3, 16, 24)])
 
 
@@ -143,7 +131,7 @@ def test_dense_bias_gelu_epilogue_runs_inside_the_tile():
         y = bb.emit(relax.op.add(relax.op.matmul(x, relax.const(w)), relax.const(b)))
         return relax.op.nn.gelu(y)
 
-    mod = _module({"x": (1, 16, 32)}, body)
+    mod = relax_main({"x": (1, 16, 32)}, body)
     sched = _check(mod, [_rand(1, 16, 32)], rtol=1e-4, atol=1e-5)
     (func,) = [f for n, f in _prim_funcs(sched).items() if "matmul" in n]
     # the epilogue runs right after each tile, under the same parallel loop as the matmul
@@ -174,7 +162,7 @@ def test_conv2d_nchw_bias_relu(cin, cout, k, stride, groups, size):
         y = relax.op.nn.conv2d(x, relax.const(w), strides=stride, padding=k // 2, groups=groups)
         return relax.op.nn.relu(bb.emit(relax.op.add(bb.emit(y), relax.const(b))))
 
-    _check(_module({"x": (1, cin, size, size)}, body), [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4)
+    _check(relax_main({"x": (1, cin, size, size)}, body), [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4)
 
 
 def test_ragged_conv_tile_epilogue_stays_vectorized():
@@ -189,7 +177,7 @@ def test_ragged_conv_tile_epilogue_stays_vectorized():
         y = relax.op.nn.conv2d(x, relax.const(w), strides=2)
         return relax.op.nn.relu(bb.emit(relax.op.add(bb.emit(y), relax.const(b))))
 
-    sched = _check(_module({"x": (1, 8, 47, 47)}, body), [_rand(1, 8, 47, 47)], rtol=1e-4, atol=1e-4)
+    sched = _check(relax_main({"x": (1, 8, 47, 47)}, body), [_rand(1, 8, 47, 47)], rtol=1e-4, atol=1e-4)
     (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
     sch = s_tir.Schedule(tvm.IRModule({"main": func}))
     (epilogue,) = [
@@ -225,7 +213,7 @@ def test_nchw_conv_vectorizes_output_channels(cin, cout, size, k):
         y = relax.op.nn.conv2d(x, relax.const(w), padding=k // 2)
         return relax.op.nn.relu(bb.emit(relax.op.add(bb.emit(y), relax.const(b))))
 
-    mod = _module({"x": (1, cin, size, size)}, body)
+    mod = relax_main({"x": (1, cin, size, size)}, body)
     if size <= 16:
         sched = _check(mod, [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4)
     else:  # the real layer shapes: schedule only (the unscheduled reference would take seconds)
@@ -239,7 +227,7 @@ def test_pointwise_conv_without_epilogue_keeps_its_plane():
     """A bare 1x1 conv (fusion off) writes its output parameter directly; the plane is not
     flattened there (the accumulator's write-back would cover a span of it wrongly)."""
     w = _rand(16, 24, 1, 1, scale=0.2)
-    mod = _module({"x": (1, 24, 56, 56)}, lambda bb, x: relax.op.nn.conv2d(x, relax.const(w)))
+    mod = relax_main({"x": (1, 24, 56, 56)}, lambda bb, x: relax.op.nn.conv2d(x, relax.const(w)))
     _check(mod, [_rand(1, 24, 56, 56)], rtol=1e-4, atol=1e-4)
 
 
@@ -261,7 +249,7 @@ def test_pointwise_conv_is_a_gemm_over_the_flattened_plane(size, residual):
     inputs = {"x": (1, cin, size, size)}
     if residual:
         inputs["r"] = (1, cout, size, size)
-    mod = _module(inputs, body)
+    mod = relax_main(inputs, body)
     if size <= 16:
         sched = _check(mod, [_rand(*shape) for shape in inputs.values()], rtol=1e-4, atol=1e-4)
     else:
@@ -289,7 +277,7 @@ def test_unpadded_conv_reads_its_input_directly(k, copy_kept):
     def body(bb, x):
         return relax.op.nn.relu(bb.emit(relax.op.nn.conv2d(x, relax.const(w), padding=k // 2)))
 
-    sched = _check(_module({"x": (1, 8, 10, 10)}, body), [_rand(1, 8, 10, 10)], rtol=1e-4, atol=1e-4)
+    sched = _check(relax_main({"x": (1, 8, 10, 10)}, body), [_rand(1, 8, 10, 10)], rtol=1e-4, atol=1e-4)
     (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
     assert ("pad_temp" in _block_names(func)) == copy_kept, _block_names(func)
 
@@ -301,7 +289,7 @@ def _small_padded_conv(cin, cout, size, stride=1, dilation=1, batch=1):
         y = relax.op.nn.conv2d(x, relax.const(w), strides=stride, padding=dilation, dilation=dilation)
         return relax.op.nn.relu(bb.emit(relax.op.add(bb.emit(y), relax.const(b))))
 
-    return _module({"x": (batch, cin, size, size)}, body), [_rand(batch, cin, size, size)], w
+    return relax_main({"x": (batch, cin, size, size)}, body), [_rand(batch, cin, size, size)], w
 
 
 def _conv_kernel(sched):
@@ -370,7 +358,7 @@ def test_conv2d_nhwc_residual_add():
         )
         return relax.op.add(y, x)
 
-    _check(_module({"x": (1, 6, 6, 8)}, body), [_rand(1, 6, 6, 8)], rtol=1e-4, atol=1e-4)
+    _check(relax_main({"x": (1, 6, 6, 8)}, body), [_rand(1, 6, 6, 8)], rtol=1e-4, atol=1e-4)
 
 
 def _conv_nchwc(data, kernel, stride=1, pad=1):
@@ -400,7 +388,7 @@ def test_conv2d_nchwc_blocked_layout(stride):
         y = bb.emit_te(_conv_nchwc, x, relax.const(w), stride)
         return relax.op.nn.relu(bb.emit(relax.op.add(y, relax.const(b))))
 
-    sched = _check(_module({"x": (1, 2, 9, 9, 8)}, body), [_rand(1, 2, 9, 9, 8)], rtol=1e-4, atol=1e-4)
+    sched = _check(relax_main({"x": (1, 2, 9, 9, 8)}, body), [_rand(1, 2, 9, 9, 8)], rtol=1e-4, atol=1e-4)
     (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
     vec = [lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.VECTORIZED]
     assert any(int(lp.extent) == 8 for lp in vec)  # the 8-wide output-channel block is the SIMD axis
@@ -420,13 +408,14 @@ def test_contraction_rule_recognises_nchwc_by_structure():
 # -- reductions, pooling, elementwise ---------------------------------------------------------
 def test_softmax():
     _check(
-        _module({"x": (2, 4, 16, 24)}, lambda bb, x: relax.op.nn.softmax(x, axis=-1)), [_rand(2, 4, 16, 24)]
+        relax_main({"x": (2, 4, 16, 24)}, lambda bb, x: relax.op.nn.softmax(x, axis=-1)),
+        [_rand(2, 4, 16, 24)],
     )
 
 
 def test_layer_norm():
     g, b = _rand(48), _rand(48)
-    mod = _module(
+    mod = relax_main(
         {"x": (1, 10, 48)}, lambda bb, x: relax.op.nn.layer_norm(x, relax.const(g), relax.const(b), axes=[-1])
     )
     _check(mod, [_rand(1, 10, 48)], rtol=1e-4, atol=1e-4)
@@ -438,7 +427,7 @@ def test_pools_and_mean():
         return relax.op.mean(y, axis=[2, 3], keepdims=True)
 
     # 64 x 24 x 24 means: enough elements for the mean's parallel loop (PARALLEL_MIN_ELEMENTS)
-    _check(_module({"x": (1, 64, 48, 48)}, body), [_rand(1, 64, 48, 48)], need_vector=False)
+    _check(relax_main({"x": (1, 64, 48, 48)}, body), [_rand(1, 64, 48, 48)], need_vector=False)
 
 
 def test_small_elementwise_kernel_runs_single_threaded():
@@ -446,7 +435,7 @@ def test_small_elementwise_kernel_runs_single_threaded():
     (the fork-join costs more than the work) and is still vectorized; a larger one is parallel."""
     for shape, parallel in (((1, 32, 16, 16), False), ((1, 64, 28, 28), True)):
         assert (np.prod(shape) >= PARALLEL_MIN_ELEMENTS) == parallel
-        mod = _module({"x": shape}, lambda bb, x: relax.op.nn.relu(bb.emit(relax.op.multiply(x, x))))
+        mod = relax_main({"x": shape}, lambda bb, x: relax.op.nn.relu(bb.emit(relax.op.multiply(x, x))))
         x = _rand(*shape)
         (func,) = _prim_funcs(_scheduled(mod)).values()
         assert (tirx.ForKind.PARALLEL in loop_kinds(func)) == parallel, func
@@ -459,7 +448,7 @@ def test_small_mean_runs_single_threaded():
     costs more than the sum), and still matches."""
     shape = (1, 32, 16, 16)
     assert np.prod(shape) < PARALLEL_MIN_ELEMENTS
-    mod = _module({"x": shape}, lambda bb, x: relax.op.mean(x, axis=[2, 3], keepdims=True))
+    mod = relax_main({"x": shape}, lambda bb, x: relax.op.mean(x, axis=[2, 3], keepdims=True))
     x = _rand(*shape)
     sched = _scheduled(mod)
     (func,) = _prim_funcs(sched).values()
@@ -479,7 +468,7 @@ def test_pool_pads_each_output_row_in_its_parallel_iteration(pool):
         y = bb.emit(relax.op.nn.avg_pool2d(x, pool_size=3, strides=2, padding=1, count_include_pad=True))
         return relax.op.nn.relu(y)
 
-    sched = _check(_module({"x": (1, 8, 13, 13)}, body), [_rand(1, 8, 13, 13)], need_vector=False)
+    sched = _check(relax_main({"x": (1, 8, 13, 13)}, body), [_rand(1, 8, 13, 13)], need_vector=False)
     (func,) = _prim_funcs(sched).values()
     from tvm import s_tir
 
@@ -505,7 +494,7 @@ def test_pool_epilogue_chain_runs_per_row():
         return relax.op.add(y, mixed)
 
     shape = (1, channels, 14, 14)
-    mod = _module({"x": shape, "y": shape}, body)
+    mod = relax_main({"x": shape, "y": shape}, body)
     sched = _check(mod, [_rand(*shape), _rand(*shape)], need_vector=False)
     (func,) = _prim_funcs(sched).values()
     from tvm import s_tir
@@ -524,7 +513,8 @@ def test_elementwise_chain():
         return relax.op.nn.relu(relax.op.multiply(relax.op.add(x, y), relax.const(np.float32(0.5))))
 
     _check(
-        _module({"x": (2, 3, 10, 16), "y": (2, 3, 10, 16)}, body), [_rand(2, 3, 10, 16), _rand(2, 3, 10, 16)]
+        relax_main({"x": (2, 3, 10, 16), "y": (2, 3, 10, 16)}, body),
+        [_rand(2, 3, 10, 16), _rand(2, 3, 10, 16)],
     )
 
 
@@ -532,7 +522,7 @@ def test_transpose_reshape():
     def body(bb, x):
         return relax.op.reshape(relax.op.permute_dims(x, [0, 2, 1, 3]), (1, 12, 32))
 
-    _check(_module({"x": (1, 4, 12, 8)}, body), [_rand(1, 4, 12, 8)])
+    _check(relax_main({"x": (1, 4, 12, 8)}, body), [_rand(1, 4, 12, 8)])
 
 
 # -- end to end + rule selection --------------------------------------------------------------
@@ -651,7 +641,7 @@ def test_default_rules_per_target():
 
 def test_long_reduction_accumulates_in_a_local_register_tile():
     w = _rand(512, 32, scale=0.05)
-    mod = _module({"x": (8, 512)}, lambda bb, x: relax.op.nn.relu(relax.op.matmul(x, relax.const(w))))
+    mod = relax_main({"x": (8, 512)}, lambda bb, x: relax.op.nn.relu(relax.op.matmul(x, relax.const(w))))
     sched = _check(mod, [_rand(8, 512)], rtol=1e-4, atol=1e-4)
     (func,) = [f for n, f in _prim_funcs(sched).items() if "matmul" in n]
     assert 'scope="local"' in func.script()
@@ -700,7 +690,7 @@ def test_gemm_rows_are_not_cache_blocked(k):
         )
 
     x = _rand(128, k)
-    sched = _check(_module({"x": (128, k)}, body), [x], rtol=1e-4, atol=1e-4)
+    sched = _check(relax_main({"x": (128, k)}, body), [x], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(_run(sched, [x]), np.maximum(x @ w + b, 0), rtol=1e-4, atol=1e-4)
     (func,) = [f for n, f in _prim_funcs(sched).items() if "matmul" in n]
     layout = _reduction_loop_layout(func, _update_block(func))
@@ -721,7 +711,7 @@ def test_pointwise_conv_with_1024_input_channels_is_cache_blocked():
         return relax.op.nn.relu(y)
 
     sched = _check(
-        _module({"x": (1, cin, size, size)}, body), [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4
+        relax_main({"x": (1, cin, size, size)}, body), [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4
     )
     (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
     layout = _reduction_loop_layout(func, _update_block(func))
@@ -742,7 +732,7 @@ def test_conv2d_256_input_channels_is_cache_blocked():
         return relax.op.nn.relu(y)
 
     sched = _check(
-        _module({"x": (1, cin, size, size)}, body), [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4
+        relax_main({"x": (1, cin, size, size)}, body), [_rand(1, cin, size, size)], rtol=1e-4, atol=1e-4
     )
     (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
     layout = _reduction_loop_layout(func, _update_block(func))
@@ -834,7 +824,7 @@ def test_residual_add_layer_norm_gemm(width):
         ln = bb.emit(relax.op.nn.layer_norm(s, relax.const(g), relax.const(b), axes=[-1]))
         return relax.op.matmul(ln, relax.const(w))
 
-    mod = _module({"x": (1, 12, width), "y": (1, 12, width)}, body)
+    mod = relax_main({"x": (1, 12, width), "y": (1, 12, width)}, body)
     fused = _policy_fused(mod, FusionPolicy(horizontal=False))
     assert any("layer_norm" in n and "matmul" in n for n in _prim_funcs(fused)), list(_prim_funcs(fused))
     feeds = [_rand(1, 12, width), _rand(1, 12, width)]
@@ -856,7 +846,7 @@ def test_softmax_prologue_batch_matmul():
     def body(bb, s, v):
         return relax.op.matmul(bb.emit(relax.op.nn.softmax(s, axis=-1)), v)
 
-    mod = _module({"s": (2, 16, 16), "v": (2, 16, 24)}, body)
+    mod = relax_main({"s": (2, 16, 16), "v": (2, 16, 24)}, body)
     fused = _policy_fused(mod, policy)
     (name,) = [n for n in _prim_funcs(fused) if "softmax" in n]
     assert "matmul" in name, name
@@ -889,7 +879,7 @@ def test_fast_gelu_legalization_is_vectorizable_and_switchable():
 
     register()
 
-    mod = _module({"x": (4, 64)}, lambda bb, x: relax.op.nn.gelu(x))
+    mod = relax_main({"x": (4, 64)}, lambda bb, x: relax.op.nn.gelu(x))
     x = np.linspace(-7, 7, 256, dtype="float32").reshape(4, 64)
     import math
 
@@ -912,7 +902,7 @@ def test_tiny_contraction_stays_single_threaded():
 
     assert 1 * 32 * 10 < PARALLEL_MIN_MACS
     w = _rand(32, 10)
-    mod = _module({"x": (1, 32)}, lambda bb, x: relax.op.matmul(x, relax.const(w)))
+    mod = relax_main({"x": (1, 32)}, lambda bb, x: relax.op.matmul(x, relax.const(w)))
     x = _rand(1, 32)
     sched = _scheduled(mod)
     funcs = _prim_funcs(sched)
@@ -996,7 +986,7 @@ def test_squeeze_excitation_scale_is_its_own_parallel_stage(cpu_target):
 def _ragged_matmul(k: int):
     """``x[1, 197, k] @ w + b`` scheduled and checked: 197 rows have no divisor to tile by."""
     w, b = _rand(k, 64, scale=0.1 if k < 128 else 0.05), _rand(64)
-    mod = _module(
+    mod = relax_main(
         {"x": (1, 197, k)}, lambda bb, x: relax.op.add(relax.op.matmul(x, relax.const(w)), relax.const(b))
     )
     x = _rand(1, 197, k)
@@ -1024,7 +1014,7 @@ def test_prime_vector_extent_is_padded_to_whole_vectors():
     """Attention scores q @ k^T with 197 keys: the key axis is the only contiguous one, and 197 has
     no divisor to vectorize by. The iteration is padded to whole vectors (zero-padded copy of k^T,
     padded result cropped) instead of gathering across heads."""
-    mod = _module({"q": (1, 4, 197, 16), "kt": (1, 4, 16, 197)}, lambda bb, q, kt: relax.op.matmul(q, kt))
+    mod = relax_main({"q": (1, 4, 197, 16), "kt": (1, 4, 16, 197)}, lambda bb, q, kt: relax.op.matmul(q, kt))
     q, kt = _rand(1, 4, 197, 16), _rand(1, 4, 16, 197)
     sched = _check(mod, [q, kt], rtol=1e-4, atol=1e-4)
     (func,) = _prim_funcs(sched).values()
@@ -1053,7 +1043,7 @@ def test_fast_exp_legalizations_have_no_libm_calls_and_are_switchable(op, name, 
 
     register()
 
-    mod = _module({"x": (4, 64)}, lambda bb, x: op(x))
+    mod = relax_main({"x": (4, 64)}, lambda bb, x: op(x))
     x = np.linspace(-12, 12, 256, dtype="float32").reshape(4, 64)
     assert fast_exp_enabled()
     with fast_exp(False):
@@ -1093,7 +1083,7 @@ def test_global_reduction_sums_the_plane_in_simd_lanes(op, plane, width):
     divide it."""
     reduce = getattr(relax.op, op)
     channels = 512  # enough elements for a parallel loop (PARALLEL_MIN_ELEMENTS) on every plane
-    mod = _module({"x": (1, channels, *plane)}, lambda bb, x: reduce(x, [2, 3], keepdims=True))
+    mod = relax_main({"x": (1, channels, *plane)}, lambda bb, x: reduce(x, [2, 3], keepdims=True))
     x = _rand(1, channels, *plane) - 3.0  # all negative: a max that started from 0 would show
     sched = _check(mod, [x], rtol=1e-5, atol=1e-5, need_vector=width is not None)
     (func,) = _prim_funcs(sched).values()
@@ -1113,7 +1103,7 @@ def test_global_reduction_sums_the_plane_in_simd_lanes(op, plane, width):
 def test_small_integer_power_is_multiplication(exponent):
     """``x ** 3`` (GPT-2's tanh-GELU) lowers to products, not a powf call per element; other
     exponents keep the stock lowering."""
-    mod = _module({"x": (4, 64)}, lambda bb, x: relax.op.power(x, relax.const(exponent, "float32")))
+    mod = relax_main({"x": (4, 64)}, lambda bb, x: relax.op.power(x, relax.const(exponent, "float32")))
     x = np.abs(_rand(4, 64)) + 0.1
     legal = LegalizeOps()(mod)
     assert ("T.pow(" in "\n".join(f.script() for f in _prim_funcs(legal).values())) == (exponent == 2.5)
@@ -1176,7 +1166,7 @@ def test_pointwise_conv_with_few_output_channels_vectorizes_its_plane():
 
     avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "rocketlake", "num-cores": 2})
     with avx512:  # 16 lanes: on AVX2 the plane won already without the line cost
-        sched = apply_default_schedules(avx512)(_fused(_module({"x": (1, 144, 28, 28)}, body)))
+        sched = apply_default_schedules(avx512)(_fused(relax_main({"x": (1, 144, 28, 28)}, body)))
     (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
     sch = s_tir.Schedule(func)
     update = sch.get_sblock("conv2d_nchw_update")
@@ -1223,7 +1213,7 @@ def _pointwise_conv_module(cin, cout, size):
         y = bb.emit(relax.op.add(bb.emit(relax.op.nn.conv2d(x, relax.const(w))), relax.const(b)))
         return relax.op.clip(y, 0.0, 6.0)
 
-    return _module({"x": (1, cin, size, size)}, body)
+    return relax_main({"x": (1, cin, size, size)}, body)
 
 
 def _pointwise_conv_func(cin, cout, size):

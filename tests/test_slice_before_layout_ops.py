@@ -1,7 +1,7 @@
 import numpy as np
 import onnx
 import pytest
-from conftest import ort_outputs, run_outputs
+from conftest import ort_outputs, relax_main, run_outputs
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -95,35 +95,31 @@ def test_a_take_that_reads_every_other_element_stays_a_take(cpu_target):
 @pytest.mark.parametrize(
     "shape, layout, index, axis, mode, block",
     [
-        ((4, 6), [("reshape", (4, 2, 3))], 1, 1, "fast", (1, 3, 6)),  # x[:, 3:6]
-        ((1, 3, 4), [("permute", None)], -1, 0, "wrap", (2, 3, 4)),  # reversed axes: x[:, :, 3]
-        ((2, 3, 4), [("permute", None)], -1, 0, "wrap", None),  # x[:, :, 3], but transposed
-        ((3, 4), [("expand", 0), ("squeeze", None)], 2, -2, "clip", (0, 2, 3)),  # x[2, :]
-        ((2, 3), [("flatten", None)], 4, 0, "fast", None),  # one element: no axis block to slice
+        ((4, 6), [lambda v: relax.op.reshape(v, (4, 2, 3))], 1, 1, "fast", (1, 3, 6)),  # x[:, 3:6]
+        ((1, 3, 4), [relax.op.permute_dims], -1, 0, "wrap", (2, 3, 4)),  # reversed axes: x[:, :, 3]
+        ((2, 3, 4), [relax.op.permute_dims], -1, 0, "wrap", None),  # x[:, :, 3], but transposed
+        (
+            (3, 4),
+            [lambda v: relax.op.expand_dims(v, 0), relax.op.squeeze],
+            2,
+            -2,
+            "clip",
+            (0, 2, 3),
+        ),  # x[2, :]
+        ((2, 3), [relax.op.flatten], 4, 0, "fast", None),  # one element: no axis block to slice
     ],
 )
 def test_layout_chains_replayed_on_indices(shape, layout, index, axis, mode, block):
     """Reshapes, ``permute_dims`` without axes, expand / squeeze, flatten, a negative axis and a
     wrap-mode negative index: the take becomes the slice it reads, or stays, and the function
     computes the same values either way."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            view = x
-            for op, arg in layout:
-                view = bb.emit(
-                    {
-                        "reshape": lambda v, a: relax.op.reshape(v, a),
-                        "permute": lambda v, a: relax.op.permute_dims(v, a),
-                        "expand": lambda v, a: relax.op.expand_dims(v, a),
-                        "squeeze": lambda v, a: relax.op.squeeze(v, a),
-                        "flatten": lambda v, a: relax.op.flatten(v),
-                    }[op](view, arg)
-                )
-            out = bb.emit_output(relax.op.take(view, relax.const(index, "int64"), axis=axis, mode=mode))
-        bb.emit_func_output(out)
-    mod = bb.get()
+
+    def body(bb, view):
+        for op in layout:
+            view = bb.emit(op(view))
+        return relax.op.take(view, relax.const(index, "int64"), axis=axis, mode=mode)
+
+    mod = relax_main({"x": shape}, body)
     rewritten = SliceBeforeLayoutOps()(mod)
     slices = op_calls(rewritten["main"], {"relax.strided_slice"})
     if block is None:

@@ -1,7 +1,7 @@
 import numpy as np
 import onnx
 import pytest
-from conftest import ort_outputs, run_outputs
+from conftest import ort_outputs, relax_main, run_outputs
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -149,17 +149,6 @@ def test_a_slice_after_a_conv_moves_past_its_bias_only(cpu_target):
     np.testing.assert_allclose(run_outputs(result.executable, feeds)[0], reference, rtol=1e-5, atol=1e-5)
 
 
-def _relax_function(shapes: list[tuple], body):
-    """``main`` over float32 inputs of ``shapes``; ``body(bb, *params)`` emits the graph."""
-    params = [relax.Var(f"p{i}", relax.TensorType(shape, "float32")) for i, shape in enumerate(shapes)]
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        with bb.dataflow():
-            out = bb.emit_output(body(bb, *params))
-        bb.emit_func_output(out)
-    return bb.get()
-
-
 def _index(value):
     return relax.const(value, "int64")
 
@@ -204,7 +193,7 @@ def _index(value):
     ],
 )
 def test_moves_only_where_exact_and_keeps_the_values(shapes, body, moves):
-    mod = _relax_function(shapes, body)
+    mod = relax_main({f"p{i}": shape for i, shape in enumerate(shapes)}, body)
     moved = SliceBeforeRowwiseOps()(mod)
     assert moved.same_as(mod) != moves
     feeds = [np.random.default_rng(3).standard_normal(s).astype("float32") for s in shapes]
