@@ -57,46 +57,6 @@ def _factors(expr, var2val, depth=2) -> list:
     return [leaf for arg in call.args for leaf in _factors(arg, var2val, depth - 1)]
 
 
-def _erf_input(expr, var2val):
-    """x if ``expr`` is ``erf(x * 1/sqrt2)`` or ``erf(x / sqrt2)``."""
-    erf = _op(expr, var2val, "erf")
-    if erf is None:
-        return None
-    inner = erf.args[0]
-    mul, div = _op(inner, var2val, "multiply"), _op(inner, var2val, "divide")
-    if mul is not None:
-        for x, c in (mul.args, mul.args[::-1]):
-            scale = _scalar(c, var2val)
-            if scale is not None and math.isclose(scale, _INV_SQRT2, rel_tol=1e-4):
-                return x
-    if div is not None:
-        scale = _scalar(div.args[1], var2val)
-        if scale is not None and math.isclose(scale, math.sqrt(2.0), rel_tol=1e-4):
-            return div.args[0]
-    return None
-
-
-def _match_gelu(var, var2val):
-    leaves = _factors(var, var2val)
-    if len(leaves) != 3:
-        return None
-    half = [leaf for leaf in leaves if (s := _scalar(leaf, var2val)) is not None and math.isclose(s, 0.5)]
-    if len(half) != 1:
-        return None
-    for one_plus in leaves:
-        add = _op(one_plus, var2val, "add")
-        if add is None:
-            continue
-        for erf_part, one in (add.args, add.args[::-1]):
-            if _scalar(one, var2val) != 1.0:
-                continue
-            x = _erf_input(erf_part, var2val)
-            rest = [leaf for leaf in leaves if not leaf.same_as(one_plus) and not leaf.same_as(half[0])]
-            if x is not None and len(rest) == 1 and rest[0].same_as(x):
-                return relax.op.nn.gelu(x)
-    return None
-
-
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
@@ -109,6 +69,22 @@ def _scaled(expr, var2val, value):
         scale = _scalar(c, var2val)
         if scale is not None and math.isclose(scale, value, rel_tol=1e-4):
             return y
+    return None
+
+
+def _erf_input(expr, var2val):
+    """x if ``expr`` is ``erf(x * 1/sqrt2)`` or ``erf(x / sqrt2)``."""
+    erf = _op(expr, var2val, "erf")
+    if erf is None:
+        return None
+    x = _scaled(erf.args[0], var2val, _INV_SQRT2)
+    if x is not None:
+        return x
+    div = _op(erf.args[0], var2val, "divide")
+    if div is not None:
+        scale = _scalar(div.args[1], var2val)
+        if scale is not None and math.isclose(scale, math.sqrt(2.0), rel_tol=1e-4):
+            return div.args[0]
     return None
 
 
@@ -131,8 +107,9 @@ def _tanh_gelu_input(expr, var2val):
     return None
 
 
-def _match_gelu_tanh(var, var2val):
-    """``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` (GPT-2's "new GELU")."""
+def _half_x_one_plus(var, var2val, inner_input):
+    """x if ``var`` is ``0.5 * x * (1 + g)`` (any order of the product) where
+    ``inner_input(g)`` is that same x: the shape both GELU spellings share."""
     leaves = _factors(var, var2val)
     if len(leaves) != 3:
         return None
@@ -143,14 +120,26 @@ def _match_gelu_tanh(var, var2val):
         add = _op(one_plus, var2val, "add")
         if add is None:
             continue
-        for tanh_part, one in (add.args, add.args[::-1]):
+        for g, one in (add.args, add.args[::-1]):
             if _scalar(one, var2val) != 1.0:
                 continue
-            x = _tanh_gelu_input(tanh_part, var2val)
+            x = inner_input(g, var2val)
             rest = [leaf for leaf in leaves if not leaf.same_as(one_plus) and not leaf.same_as(half[0])]
             if x is not None and len(rest) == 1 and rest[0].same_as(x):
-                return relax.op.nn.gelu_tanh(x)
+                return x
     return None
+
+
+def _match_gelu(var, var2val):
+    """``0.5 * x * (1 + erf(x / sqrt2))`` (ONNX below opset 20)."""
+    x = _half_x_one_plus(var, var2val, _erf_input)
+    return relax.op.nn.gelu(x) if x is not None else None
+
+
+def _match_gelu_tanh(var, var2val):
+    """``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` (GPT-2's "new GELU")."""
+    x = _half_x_one_plus(var, var2val, _tanh_gelu_input)
+    return relax.op.nn.gelu_tanh(x) if x is not None else None
 
 
 def _match_small_power(var, var2val):
