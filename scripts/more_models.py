@@ -73,6 +73,64 @@ TEXT = {  # name -> (transformers model class, config class, config arguments)
     "mpnet": ("MPNetModel", "MPNetConfig", {}),
     "clip_text": ("CLIPTextModel", "CLIPTextConfig", {}),
     "mobilebert": ("MobileBertModel", "MobileBertConfig", {}),
+    # decoders with other position schemes and attention layouts: OPT's offset learned positions,
+    # BLOOM's ALiBi, GPT-Neo's local attention, Gemma's GeGLU, GPT-BigCode's multi-query attention,
+    # Falcon's parallel attention + MLP; RoFormer's rotary encoder; SqueezeBERT's grouped 1-D convs
+    "opt": (
+        "OPTModel",
+        "OPTConfig",
+        dict(_DECODER, ffn_dim=1376, word_embed_proj_dim=512, vocab_size=32000, max_position_embeddings=512),
+    ),
+    "bloom": ("BloomModel", "BloomConfig", dict(hidden_size=512, n_layer=4, n_head=8, vocab_size=32000)),
+    "gpt_neo": (
+        "GPTNeoModel",
+        "GPTNeoConfig",
+        dict(
+            hidden_size=512,
+            num_layers=4,
+            num_heads=8,
+            attention_types=[[["global", "local"], 2]],
+            window_size=64,
+            intermediate_size=1376,
+            vocab_size=32000,
+            max_position_embeddings=512,
+        ),
+    ),
+    "gemma": ("GemmaModel", "GemmaConfig", dict(_LLM, num_key_value_heads=2, head_dim=64)),
+    "gpt_bigcode": (
+        "GPTBigCodeModel",
+        "GPTBigCodeConfig",
+        dict(
+            n_embd=512, n_layer=4, n_head=8, n_inner=1376, vocab_size=32000, n_positions=512, multi_query=True
+        ),
+    ),
+    "falcon": (
+        "FalconModel",
+        "FalconConfig",
+        dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8),
+    ),
+    "roformer": (
+        "RoFormerModel",
+        "RoFormerConfig",
+        dict(
+            hidden_size=384,
+            embedding_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            intermediate_size=1536,
+        ),
+    ),
+    "squeezebert": (
+        "SqueezeBertModel",
+        "SqueezeBertConfig",
+        dict(
+            hidden_size=384,
+            embedding_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            intermediate_size=1536,
+        ),
+    ),
 }
 # Other tasks and inputs: segmentation heads (dict outputs, bilinear Resize, dilated convs), video
 # (Conv3d; r2plus1d_18's (2+1)D factorisation), speech (Conv1d front ends, GroupNorm), Hugging Face
@@ -125,6 +183,10 @@ HF_OTHER = {  # name -> (model class, config class, config arguments, output att
         (1, 3, 224, 224),
     ),
     "mobilenet_v2_hf": ("MobileNetV2Model", "MobileNetV2Config", {}, "pooler_output", (1, 3, 224, 224)),
+    # convolutional token embeddings and projections inside attention (CvT); spatial-reduction
+    # attention, keys and values from a strided conv (PVT)
+    "cvt": ("CvtModel", "CvtConfig", {}, "last_hidden_state", (1, 3, 224, 224)),
+    "pvt": ("PvtModel", "PvtConfig", {}, "last_hidden_state", (1, 3, 224, 224)),
 }
 SEQ2SEQ = ["bart"]
 MODELS = VISION + list(TEXT) + SEGMENTATION + VIDEO + list(HF_OTHER) + SEQ2SEQ
