@@ -79,7 +79,15 @@ TEXT = {  # name -> (transformers model class, config class, config arguments)
     "opt": (
         "OPTModel",
         "OPTConfig",
-        dict(_DECODER, ffn_dim=1376, word_embed_proj_dim=512, vocab_size=32000, max_position_embeddings=512),
+        dict(
+            hidden_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            ffn_dim=1376,
+            word_embed_proj_dim=512,
+            vocab_size=32000,
+            max_position_embeddings=512,
+        ),
     ),
     "bloom": ("BloomModel", "BloomConfig", dict(hidden_size=512, n_layer=4, n_head=8, vocab_size=32000)),
     "gpt_neo": (
@@ -104,6 +112,7 @@ TEXT = {  # name -> (transformers model class, config class, config arguments)
             n_embd=512, n_layer=4, n_head=8, n_inner=1376, vocab_size=32000, n_positions=512, multi_query=True
         ),
     ),
+    # Falcon keeps its own defaults otherwise: multi-query attention, 65024 tokens, 4x MLP
     "falcon": (
         "FalconModel",
         "FalconConfig",

@@ -527,20 +527,21 @@ def test_transpose_reshape():
 
 
 def _vector_walks_last_dim_of(func, shape) -> bool:
-    """Whether the vectorized loop moves the last (contiguous) dim of the read of a buffer of
-    ``shape``, rather than another of its dims."""
+    """Whether the vectorized loop moves the last (contiguous) dim of the access to a buffer of
+    ``shape`` (read or written; the shapes in these tests differ), rather than another dim."""
     (vec,) = [lp for lp in collect_loops(func) if lp.kind == tirx.ForKind.VECTORIZED]
     for node in tir_stmts(func):
         if not (hasattr(node, "block") and hasattr(node, "iter_values")):
             continue
         bound = [iv.var for iv, v in zip(node.block.iter_vars, node.iter_values) if uses_var(v, vec.loop_var)]
-        for read in node.block.reads:
-            if tuple(int(d) for d in read.source.shape) == shape:
-                return len(bound) == 1 and uses_var(read.region[-1].min, bound[0])
-    raise AssertionError(f"no read of a {shape} buffer\n{func}")
+        for access in list(node.block.reads) + list(node.block.writes):
+            if tuple(int(d) for d in access.source.shape) == shape:
+                assert len(bound) == 1, func  # the vector is one iter of this block
+                return uses_var(access.region[-1].min, bound[0])
+    raise AssertionError(f"no access to a {shape} buffer\n{func}")
 
 
-def test_transpose_takes_its_vectors_along_the_input_lines():
+def test_transpose_takes_its_vectors_along_the_input_lines(monkeypatch):
     """NHWC -> NCHW with a layer scale and a residual (ConvNeXt's return from its channels-last
     MLP; SqueezeBERT's NCW layer norms): vectorized along the output's columns, each lane would load
     from another input line (a gather of 6 lanes here). The vector runs along the input's channels
@@ -552,10 +553,14 @@ def test_transpose_takes_its_vectors_along_the_input_lines():
             relax.op.multiply(relax.op.permute_dims(x, [0, 3, 1, 2]), relax.const(gamma)), res
         )
 
+    from tvm_fusion.schedules import injective
+
+    monkeypatch.setattr(injective, "PARALLEL_MIN_ELEMENTS", 0)  # scheduled as a large transpose
     x, res = _rand(1, 4, 6, 32), _rand(1, 32, 4, 6)
     sched = _check(relax_main({"x": x.shape, "res": res.shape}, body), [x, res])
     (func,) = _prim_funcs(sched).values()
     assert _vector_walks_last_dim_of(func, x.shape), func
+    assert tirx.ForKind.PARALLEL in loop_kinds(func), func
     np.testing.assert_allclose(_run(sched, [x, res]), x.transpose(0, 3, 1, 2) * gamma + res, rtol=1e-5)
 
 
@@ -567,6 +572,7 @@ def test_transpose_keeps_output_vectors_when_input_lines_are_short():
     sched = _check(relax_main({"x": x.shape}, lambda bb, x: relax.op.permute_dims(x, [0, 2, 3, 1])), [x])
     (func,) = _prim_funcs(sched).values()
     assert not _vector_walks_last_dim_of(func, x.shape), func
+    assert _vector_walks_last_dim_of(func, (1, 6, 6, 32)), func  # along the output's channels
 
 
 # -- end to end + rule selection --------------------------------------------------------------
