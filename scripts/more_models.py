@@ -53,6 +53,7 @@ VISION = [
 ]
 _DECODER = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=1376)
 _LLM = dict(_DECODER, vocab_size=32000, max_position_embeddings=512)
+_ENCODER = dict(hidden_size=384, num_hidden_layers=4, num_attention_heads=6, intermediate_size=1536)
 TEXT = {  # name -> (transformers model class, config class, config arguments)
     "llama": ("LlamaModel", "LlamaConfig", dict(_LLM, num_key_value_heads=2)),
     "qwen2": ("Qwen2Model", "Qwen2Config", dict(_LLM, num_key_value_heads=2)),
@@ -68,7 +69,7 @@ TEXT = {  # name -> (transformers model class, config class, config arguments)
     "deberta_v2": (
         "DebertaV2Model",
         "DebertaV2Config",
-        dict(hidden_size=384, num_hidden_layers=4, num_attention_heads=6, intermediate_size=1536),
+        _ENCODER,
     ),
     "mpnet": ("MPNetModel", "MPNetConfig", {}),
     "clip_text": ("CLIPTextModel", "CLIPTextConfig", {}),
@@ -121,24 +122,12 @@ TEXT = {  # name -> (transformers model class, config class, config arguments)
     "roformer": (
         "RoFormerModel",
         "RoFormerConfig",
-        dict(
-            hidden_size=384,
-            embedding_size=384,
-            num_hidden_layers=4,
-            num_attention_heads=6,
-            intermediate_size=1536,
-        ),
+        dict(_ENCODER, embedding_size=384),
     ),
     "squeezebert": (
         "SqueezeBertModel",
         "SqueezeBertConfig",
-        dict(
-            hidden_size=384,
-            embedding_size=384,
-            num_hidden_layers=4,
-            num_attention_heads=6,
-            intermediate_size=1536,
-        ),
+        dict(_ENCODER, embedding_size=384),
     ),
 }
 # Other tasks and inputs: segmentation heads (dict outputs, bilinear Resize, dilated convs), video
@@ -160,7 +149,7 @@ HF_OTHER = {  # name -> (model class, config class, config arguments, output att
     "wav2vec2": (
         "Wav2Vec2Model",
         "Wav2Vec2Config",
-        dict(hidden_size=384, num_hidden_layers=4, num_attention_heads=6, intermediate_size=1536),
+        _ENCODER,
         "last_hidden_state",
         (1, 16000),  # 1 s of 16 kHz audio
     ),
