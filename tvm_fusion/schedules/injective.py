@@ -79,8 +79,12 @@ def _transposed_iter(sch, info, target):
         if access_class(read, inner[0].var) != "strided":
             continue
         for it in info.iters:
-            if it is not inner[0] and bare_var_dim(read, it.var) == len(read.region) - 1:
-                return it if it.dom % lanes == 0 else None
+            if (
+                it is not inner[0]
+                and bare_var_dim(read, it.var) == len(read.region) - 1
+                and it.dom % lanes == 0
+            ):
+                return it
     return None
 
 
