@@ -516,7 +516,8 @@ def test_zoo_report_shows_how_a_file_had_to_be_exported(tmp_path):
 
 def test_more_models_report_counts_only_rows_that_built_and_matched(tmp_path):
     """``more_models.py``'s table: a failed row shows its one-line error, a row over the numerics
-    tolerance is not counted as a pass, and the ratio summary covers the timed rows only."""
+    tolerance is not counted as a pass, an export ONNX Runtime rejects is counted apart (built, not
+    checked), and the ratio summary covers the timed rows only."""
     path = Path(__file__).resolve().parent.parent / "scripts" / "more_models.py"
     spec = importlib.util.spec_from_file_location("more_models_script", path)
     more = importlib.util.module_from_spec(spec)
@@ -526,12 +527,15 @@ def test_more_models_report_counts_only_rows_that_built_and_matched(tmp_path):
         {**ok, "ms_ort": 2.0, "ms_ours": 1.0},
         {**ok, "model": "b", "rel_err": 2e-4, "ms_ort": 1.0, "ms_ours": 3.0},
         {"model": "c", "exporter": "torchscript", "error": "killed (out of memory?): "},
+        {**ok, "model": "d", "reference_error": "Fail: [ONNXRuntimeError] Tile"},  # built, unchecked
     ]
     md = tmp_path / "more.md"
     more.write_report(rows, md)
     text = md.read_text()
     assert "**1/3**" in text and "median 1.75, max 3.00" in text
+    assert "1 more built but not checked: ONNX Runtime rejects the export" in text
     assert "| c | torchscript | failed: `killed (out of memory?): ` |" in text
+    assert "| d | dynamo | 5 → 2 | 1.0 | no reference: ONNX Runtime rejects the export: `Fail:" in text
     # the results file: a re-run row replaces its earlier one, the others stay, in the table's order
     results = tmp_path / "more.json"
     llama, swin = {**ok, "model": "llama"}, {**ok, "model": "swin_t"}
