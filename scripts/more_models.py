@@ -343,7 +343,13 @@ def check_one(name: str, exporter: str, cache: Path, runs: int) -> dict:
         row["reference_error"] = zoo._one_line(err)
     del model
     start = time.perf_counter()
-    result = build(str(path), target, name=f"{name}.{exporter}", tuning_logs=None)
+    try:
+        result = build(str(path), target, name=f"{name}.{exporter}", tuning_logs=None)
+    except Exception as err:
+        if ort is None:  # both reject the file: say both, the export is the likelier culprit
+            reason = row.pop("reference_error")
+            return {**row, "error": f"{zoo._one_line(err)} (ONNX Runtime rejects the file too: {reason})"}
+        raise
     row.update(
         build_s=round(time.perf_counter() - start, 1), ops=result.summary.ops, kernels=result.summary.kernels
     )
