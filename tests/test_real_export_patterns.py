@@ -221,6 +221,32 @@ def conv_unfold(channels_in: int, kernel: int) -> onnx.ModelProto:
     )
 
 
+def constant_index_gathers() -> onnx.ModelProto:
+    """Mamba's dynamo export picks rows and columns with constant, often negative, Gather indices
+    (4,098 of them); the frontend wraps each in a run-time negative-index fix-up."""
+    indices = {"last": -1, "second": 2, "pair": [0, -2]}
+    nodes = [_const(name, value, np.int64) for name, value in indices.items()]
+    nodes.append(_const("axes", [1], np.int64))
+    nodes += [
+        helper.make_node("Gather", ["x", "last"], ["row"], name="/mixer/Gather", axis=1),  # [1, 6]
+        helper.make_node("Gather", ["x", "pair"], ["rows"], name="/mixer/Gather_1", axis=1),  # [1, 2, 6]
+        helper.make_node("Gather", ["rows", "second"], ["col"], name="/mixer/Gather_2", axis=-1),
+        helper.make_node("ReduceSum", ["rows", "axes"], ["summed"], keepdims=0),
+        helper.make_node("Mul", ["summed", "row"], ["prod"]),
+        helper.make_node("ReduceSum", ["col", "axes"], ["col2"], keepdims=1),  # [1, 1]
+        helper.make_node("Add", ["prod", "col2"], ["y"]),
+    ]
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 5, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6])],
+    )
+
+
+def gather_feeds():
+    return {"x": np.random.default_rng(3).standard_normal((1, 5, 6)).astype(np.float32)}
+
+
 def image_feeds(height=6):
     return {"x": np.random.default_rng(2).standard_normal((1, 8, height, 6)).astype(np.float32)}
 
@@ -340,6 +366,7 @@ PATTERNS = {
     "attention_mask": (hf_attention_mask, attention_feeds),
     "shufflenet_chunk": (shufflenet_chunk, image_feeds),
     "dynamic_slice": (lambda: shufflenet_chunk(height="h", axis=2), image_feeds),
+    "constant_index_gathers": (constant_index_gathers, gather_feeds),
 }
 
 
@@ -423,6 +450,31 @@ def test_model_hash_is_the_users_model():
     """Tuning records are keyed by the hash of the file the user has, not of the folded model."""
     model = hf_attention_mask()
     assert import_onnx(model).model_hash == model_hash(model)
+
+
+def test_constant_gather_indices_are_resolved_at_import():
+    """No run-time fix-up for FoldConstant to build one LLVM module each (Mamba: 253 s of 259)."""
+    from tvm.relax.frontend.onnx import from_onnx as stock_from_onnx
+
+    model = constant_index_gathers()
+    assert "R.less" in stock_from_onnx(model, keep_params_in_input=False).script()
+    ours = from_onnx(model).script()
+    assert not [op for op in ("R.less", "R.where", "R.shape_to_tensor") if op in ours]
+    assert ours.count("R.take") == 3
+    _assert_matches_ort(model, gather_feeds())
+
+
+def test_out_of_range_gather_index_is_named():
+    model = _model(
+        [
+            _const("index", 3, np.int64),
+            helper.make_node("Gather", ["x", "index"], ["y"], name="/embed/Gather", axis=1),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    with pytest.raises(ImportNodeError, match=r"'/embed/Gather' \(Gather.*index 3\.\.3 out of range"):
+        import_onnx(model)
 
 
 def test_frontend_failure_names_the_node():
