@@ -133,6 +133,32 @@ TEXT = {  # name -> (transformers model class, config class, config arguments)
         "SqueezeBertConfig",
         dict(_ENCODER, embedding_size=384),
     ),
+    # more attention and MLP variants: GPT-NeoX's partial rotary + parallel residual, GPT-J's
+    # interleaved rotary, Qwen3's per-head q/k RMSNorm, ESM's rotary protein encoder, ConvBERT's
+    # span-based dynamic convolution, Funnel's pooled sequence, XLNet's two-stream relative attention
+    "gpt_neox": (
+        "GPTNeoXModel",
+        "GPTNeoXConfig",
+        dict(_LLM, rotary_pct=0.25),
+    ),
+    "gptj": (
+        "GPTJModel",
+        "GPTJConfig",
+        dict(n_embd=512, n_layer=4, n_head=8, rotary_dim=32, n_inner=1376, vocab_size=32000, n_positions=512),
+    ),
+    "qwen3": ("Qwen3Model", "Qwen3Config", dict(_LLM, num_key_value_heads=2, head_dim=64)),
+    "esm": (
+        "EsmModel",
+        "EsmConfig",
+        dict(_ENCODER, vocab_size=33, pad_token_id=1, mask_token_id=32, position_embedding_type="rotary"),
+    ),
+    "convbert": ("ConvBertModel", "ConvBertConfig", dict(_ENCODER, embedding_size=384)),
+    "funnel": (
+        "FunnelBaseModel",
+        "FunnelConfig",
+        dict(block_sizes=[2, 2], d_model=384, n_head=6, d_inner=1536),
+    ),
+    "xlnet": ("XLNetModel", "XLNetConfig", dict(d_model=384, n_layer=4, n_head=6, d_inner=1536)),
 }
 # Other tasks and inputs: segmentation heads (dict outputs, bilinear Resize, dilated convs), video
 # (Conv3d; r2plus1d_18's (2+1)D factorisation), speech (Conv1d front ends, GroupNorm), Hugging Face
@@ -198,6 +224,19 @@ HF_OTHER = {  # name -> (model class, config class, config arguments, output att
         (1, 3, 224, 224),
     ),
     "mobilenet_v1_hf": ("MobileNetV1Model", "MobileNetV1Config", {}, "pooler_output", (1, 3, 224, 224)),
+    # BiT's weight-standardized convs (statistics of constant weights); FocalNet's focal
+    # modulation (depthwise convs, gated aggregation); SigLIP's vision tower (attention pooling
+    # head with a learned probe); DeiT's distillation token
+    "bit": ("BitModel", "BitConfig", dict(layer_type="bottleneck"), "pooler_output", (1, 3, 224, 224)),
+    "focalnet": ("FocalNetModel", "FocalNetConfig", {}, "pooler_output", (1, 3, 224, 224)),
+    "siglip_vision": (
+        "SiglipVisionModel",
+        "SiglipVisionConfig",
+        dict(_ENCODER, image_size=224, patch_size=16),
+        "pooler_output",
+        (1, 3, 224, 224),
+    ),
+    "deit": ("DeiTModel", "DeiTConfig", _ENCODER, "last_hidden_state", (1, 3, 224, 224)),
 }
 SEQ2SEQ = ["bart"]
 MODELS = VISION + list(TEXT) + SEGMENTATION + VIDEO + list(HF_OTHER) + SEQ2SEQ

@@ -247,6 +247,41 @@ def gather_feeds():
     return {"x": np.random.default_rng(3).standard_normal((1, 5, 6)).astype(np.float32)}
 
 
+def weight_standardized_conv() -> onnx.ModelProto:
+    """BiT's StdConv2d as the dynamo exporter writes it: the weight normalized per output channel
+    by a BatchNormalization whose mean and variance are ReduceMeans of the weight itself. Above
+    ``FOLD_LIMIT`` elements (73,728), so the Relax side folds it, not ``prepare_onnx``."""
+    cout, cin = 64, 128
+    nodes = [
+        _const("flat", [1, cout, -1], np.int64),
+        _const("oihw", [cout, cin, 3, 3], np.int64),
+        _const("ones", np.ones(cout), np.float32),
+        _const("zeros", np.zeros(cout), np.float32),
+        helper.make_node("Reshape", ["w", "flat"], ["view"], allowzero=1),
+        helper.make_node("ReduceMean", ["view"], ["mean"], axes=[0, 2], keepdims=0),
+        helper.make_node("ReduceMean", ["view"], ["mean_k"], axes=[0, 2], keepdims=1),
+        helper.make_node("Sub", ["view", "mean_k"], ["centered"]),
+        helper.make_node("Mul", ["centered", "centered"], ["squared"]),
+        helper.make_node("ReduceMean", ["squared"], ["var"], axes=[0, 2], keepdims=0),
+        helper.make_node(
+            "BatchNormalization", ["view", "ones", "zeros", "mean", "var"], ["std"], epsilon=1e-8
+        ),
+        helper.make_node("Reshape", ["std", "oihw"], ["w_std"], allowzero=1),
+        helper.make_node("Conv", ["x", "w_std"], ["conv"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["conv"], ["y"]),
+    ]
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, cin, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cout, 6, 6])],
+        [_weight("w", cout, cin, 3, 3)],
+    )
+
+
+def standardized_feeds():
+    return {"x": np.random.default_rng(2).standard_normal((1, 128, 6, 6)).astype(np.float32)}
+
+
 def image_feeds(height=6):
     return {"x": np.random.default_rng(2).standard_normal((1, 8, height, 6)).astype(np.float32)}
 
@@ -367,6 +402,7 @@ PATTERNS = {
     "shufflenet_chunk": (shufflenet_chunk, image_feeds),
     "dynamic_slice": (lambda: shufflenet_chunk(height="h", axis=2), image_feeds),
     "constant_index_gathers": (constant_index_gathers, gather_feeds),
+    "weight_standardized_conv": (weight_standardized_conv, standardized_feeds),
 }
 
 
@@ -462,6 +498,17 @@ def test_constant_gather_indices_are_resolved_at_import():
     assert not [op for op in ("R.less", "R.where", "R.shape_to_tensor") if op in ours]
     assert ours.count("R.take") == 3
     _assert_matches_ort(model, gather_feeds())
+
+
+def test_a_standardized_weight_is_a_constant_the_conv_packs():
+    """The frontend folds the weight's BatchNormalization to a tuple of constants; the conv must
+    read a constant (packed at compile time), not a run-time reshape of a tuple field: 34 of BiT's
+    53 convs ran unpacked, its Winograd convs transforming their weights at every call."""
+    model = weight_standardized_conv()
+    result = tvm_fusion.build(model, "llvm", tuning_logs=None)
+    (conv,) = [gv.name_hint for gv in result.lowered.functions if "conv2d" in gv.name_hint]
+    assert conv.endswith("_prepacked")
+    _assert_matches_ort(model, standardized_feeds())
 
 
 def test_out_of_range_gather_index_is_named():

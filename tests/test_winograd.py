@@ -371,3 +371,33 @@ def test_a_winograd_kernel_the_rule_declines_is_reported_and_still_right(monkeyp
     warnings = build_and_count()
     assert len(warnings) == 1 and "conv2d_nchw/1x8x9x9/32x8x3x3" in warnings[0], warnings
     assert build_and_count() == []  # once per conv shape
+
+
+def _group_norm_model(cin, cout, size, groups):
+    """x -> Conv 3x3 -> GroupNorm as torch exports it (Reshape [1, G, -1], InstanceNormalization,
+    Reshape back): BiT's convs. Fused, the conv kernel writes the grouped view of its output."""
+    g = models.GraphBuilder("wconv_gn", 0)
+    x = g.input("x", (1, cin, size, size))
+    y = g.op("Conv", [x, g.weight("conv_w", (cout, cin, 3, 3))], kernel_shape=[3, 3], pads=[1] * 4)
+    y = g.reshape(y, [1, groups, -1])
+    ones, zeros = np.ones(groups, np.float32), np.zeros(groups, np.float32)
+    y = g.op("InstanceNormalization", [y, g.const("s", ones), g.const("b", zeros)], epsilon=1e-5)
+    return g.finish([g.relu(g.reshape(y, [1, cout, size, size]))])
+
+
+@pytest.mark.parametrize("algorithm, size", [("winograd2", 7), ("winograd4", 12)])
+def test_a_conv_followed_by_a_group_norm_keeps_its_winograd_schedule(algorithm, size, monkeypatch, caplog):
+    """The grouped view is the kernel's last block; the rule iterates it as the conv's output
+    (it declined such kernels, whose weight transform then ran at every call: BiT 4x slower)."""
+    from tvm_fusion.schedules import winograd
+
+    monkeypatch.setattr(winograd, "_WARNED", set())
+    model = _group_norm_model(16, 32, size, groups=4)
+    with caplog.at_level("WARNING", logger="tvm_fusion.schedules"):
+        mod = _lowered(model, algorithm)
+    assert not [r for r in caplog.records if "Winograd conv" in r.getMessage()]
+    (conv,) = [name for name, f in _prim_funcs(mod).items() if "gemm" in _stages(f)]
+    assert conv.endswith("_prepacked")  # the weight transform was folded at compile time
+    feeds = _feeds(model)
+    result = tvm_fusion.build(model, ZNVER3, tuning_logs=None, conv_algorithms=algorithm)
+    assert _rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-4

@@ -7,7 +7,9 @@ Order, and why:
    ``RemoveInferenceDropout``: an exported ``Dropout`` is its input (TVM would copy it and write
    a mask of ones).
 1. ``FoldBatchNorm`` + ``FoldConstant``: BN disappears into conv/matmul weights before anything
-   counts ops, so fusion and layout see the real compute graph.
+   counts ops, so fusion and layout see the real compute graph. ``CanonicalizeBindings`` +
+   ``FoldConstant``: a BatchNormalization of a constant (BiT's weight standardization) folds to a
+   tuple of constants; the conv reading a field of it gets a constant weight.
 2. ``CanonicalizeActivations``: exporters spell GELU/SiLU/HardSwish as arithmetic; one op fuses
    as an epilogue, five ops with a diamond do not. ``RecognizeGroupNorm``: torch's GroupNorm /
    InstanceNorm exports (reshape, mean, variance, reshape back, affine) become one ``group_norm``,
@@ -32,6 +34,8 @@ Order, and why:
    ``FuseAttention``: each attention block becomes one ``fused_attention`` function (after the
    QKV merge, which it looks through; before fusion, which would otherwise split the block).
 4. ``RewriteLayout`` + ``FoldConstant``: NCHW{c}/NHWC per target; weights transformed at compile time.
+   ``WidenLongReductions``: a mean / variance / sum over thousands of elements (a GroupNorm's
+   statistics) accumulates in float64, or its float32 rounding error compounds through the layers.
 5. ``ApplyFusionPolicy``: groups named ops into Primitive functions as the policy decides.
 6. ``LowerAttention``: fused attention (and ``R.nn.attention``) becomes the target's
    FlashAttention-style kernel (``schedules/attention.py``), already scheduled.
@@ -80,6 +84,7 @@ from .passes import (
     SplitConvAtBorders,
     StackAllocateLoopBuffers,
     TrimPaddingTaps,
+    WidenLongReductions,
 )
 from .policy import FusionPolicy
 from .schedules import LowerAttention, default_schedule_passes, mark_prepackable
@@ -140,7 +145,16 @@ def pipeline_stages(
     attention = policy.attention if attention is None else attention
     rewrite: list[tvm.transform.Pass] = [BindUnknownShapes(), RemoveInferenceDropout()]
     if fold_batch_norm:
-        rewrite += [FoldBatchNorm(), relax.transform.FoldConstant()]
+        # FoldConstant evaluates a batch_norm of constants (BiT's weight standardization) to a
+        # tuple of constants; CanonicalizeBindings makes the field read from it that constant, and
+        # the second FoldConstant folds what is computed from it: the conv gets a constant weight,
+        # which its schedule packs (or Winograd-transforms) at compile time
+        rewrite += [
+            FoldBatchNorm(),
+            relax.transform.FoldConstant(),
+            relax.transform.CanonicalizeBindings(),
+            relax.transform.FoldConstant(),
+        ]
     rewrite += [
         CanonicalizeActivations(),
         RecognizeGroupNorm(),
@@ -163,6 +177,7 @@ def pipeline_stages(
         chosen = PIPELINE_LAYOUT.get(target.kind.name, "auto") if layout is True else layout
         rewrite += [RewriteLayout(target, chosen), relax.transform.FoldConstant()]
     rewrite.append(DecomposeGroupNorm())  # in the layout it now has
+    rewrite.append(WidenLongReductions())  # its statistics too
     rewrite.append(PadConvChannels(target))  # whole vectors of output channels (CPU, NCHW)
     fuse = [ApplyFusionPolicy(policy, target)] if fusion else []
     fuse += [

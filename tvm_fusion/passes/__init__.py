@@ -22,6 +22,7 @@ from .slice_before_rowwise_ops import SliceBeforeRowwiseOps
 from .split_conv_at_borders import SplitConvAtBorders
 from .stack_allocate_loop_buffers import StackAllocateLoopBuffers
 from .trim_padding_taps import TrimPaddingTaps
+from .widen_long_reductions import WidenLongReductions
 
 __all__ = [
     "ApplyFusionPolicy",
@@ -46,6 +47,7 @@ __all__ = [
     "SplitConvAtBorders",
     "StackAllocateLoopBuffers",
     "TrimPaddingTaps",
+    "WidenLongReductions",
     "attention_decisions",
     "count_layout_transforms",
     "explain",

@@ -35,8 +35,11 @@ def _grouping(call: relax.Call):
     axes = sorted(int(a) % rank for a in call.attrs.axes)
     n, channels = shape[0], shape[channel_axis]
     if channel_axis == 1 and axes == list(range(2, rank)):
-        spatial = math.prod(shape[2:])
-        return [n, groups, channels // groups * spatial], [2], [channels] + [1] * (rank - 2)
+        # [N, G, C/G, *S], not [N, G, C/G * S]: a split of the channel axis only, so a conv before
+        # it that takes the reshape as its epilogue still writes [N, C, *S] positions plainly
+        # (BiT's Winograd convs: the flattened view made its output indices div/mod chains)
+        grouped = [n, groups, channels // groups, *shape[2:]]
+        return grouped, list(range(2, rank + 1)), [channels] + [1] * (rank - 2)
     if channel_axis == rank - 1 and axes == list(range(1, rank - 1)):
         spatial = math.prod(shape[1:-1])
         if groups == 1:

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import math
 
+import tvm
 from tvm import tirx
+from tvm.sym import Analyzer
 from tvm.target import Target
 
 from ..legalize.winograd_conv import SIGNATURE, STAGE, TILE
@@ -60,6 +62,42 @@ MIN_TASKS_PER_CORE = 4
 
 
 _WARNED: set[str] = set()
+
+
+def _domain(sch, block) -> list[int | None]:
+    """The extents of ``block``'s iterators, None where symbolic."""
+    extents = [iv.dom.extent for iv in sch.get(block).iter_vars]
+    return [int(e) if isinstance(e, tirx.IntImm) else None for e in extents]
+
+
+def _iterate_as_output(sch, block, dims: list[int | None]) -> bool:
+    """Make the last epilogue block iterate over the conv's output ``[b, k, h, w]``, which the
+    task tiling below splits. A reshape at the end of the chain (GroupNorm's ``[N, G, C/G·H·W]``
+    view of the conv's output: BiT) iterates over its own shape; it is re-indexed in row-major
+    order, which changes only the order of its iterations, not what each one writes. False when
+    the element counts differ or a size is symbolic."""
+    own = _domain(sch, block)
+    if len(own) == len(dims):
+        return True
+    if None in own or None in dims or math.prod(own) != math.prod(dims):
+        return False
+
+    def row_major(*old):
+        # simplified per dim (k = g * C/G + j // HW, not (g * C/G * HW + j) // HW): the inverse
+        # TVM derives from it then indexes the conv's output plainly, which compute_at needs
+        analyzer = Analyzer()
+        flat = 0
+        for var, extent in zip(old, own):
+            analyzer.bind(var, tvm.ir.Range(0, extent))
+            flat = flat * extent + var
+        new = []
+        for extent in reversed(dims):
+            new.append(analyzer.simplify(flat % extent))
+            flat = flat // extent
+        return new[::-1]
+
+    sch.transform_block_layout(block, tirx.IndexMap.from_func(row_major, ndim=len(own)))
+    return True
 
 
 def _warn_declined(signature: str) -> None:
@@ -157,6 +195,8 @@ class Winograd(CpuRule):
         if epilogue is None:
             return None
         chain = [output, *epilogue]
+        if not _iterate_as_output(sch, chain[-1], _domain(sch, output)):
+            return None
         # a value feeding two blocks (SiLU's x * sigmoid(x)) stays a stage: inlined, the output
         # transform (a select over the tile's m x m positions of sums of up to α² terms) would be
         # copied into every use, and LLVM took 15 s instead of 1.6 s on one 192->96 32x32 conv
