@@ -303,7 +303,7 @@ def torch_model(name: str):
             return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
 
     seq = 77 if name == "clip_text" else zoo.SEQ
-    ids = torch.randint(0, 1000, (1, seq), dtype=torch.int64)
+    ids = torch.randint(0, min(1000, config.vocab_size), (1, seq), dtype=torch.int64)  # ESM: 33
     mask = torch.ones(1, seq, dtype=torch.int64)
     return LastHidden(inner).eval(), (ids, mask), ["input_ids", "attention_mask"]
 
@@ -372,7 +372,7 @@ def check_one(name: str, exporter: str, cache: Path, runs: int) -> dict:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     model = onnx.load(str(path))
-    feeds = zoo.feeds_for(model)
+    feeds = zoo.feeds_for(model, TEXT[name][2].get("vocab_size", 1000) if name in TEXT else 1000)
     target = llvm_target()
     row["threads"] = int(target.attrs["num-cores"])  # ORT's and ours (TVM_NUM_THREADS: all cores)
     try:

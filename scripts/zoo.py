@@ -252,8 +252,9 @@ def export_note(model) -> str:
     return next((p.value for p in model.metadata_props if p.key == EXPORT_NOTE), "")
 
 
-def feeds_for(model) -> dict[str, np.ndarray]:
-    """Inputs for a zoo model: images ~ N(0, 1); token ids in [0, 1000); attention mask all ones."""
+def feeds_for(model, vocab: int = 1000) -> dict[str, np.ndarray]:
+    """Inputs for a zoo model: images ~ N(0, 1); token ids in [0, min(1000, vocab)); attention
+    mask all ones."""
     rng = np.random.default_rng(0)
     inits = {i.name for i in model.graph.initializer}
     feeds = {}
@@ -264,7 +265,7 @@ def feeds_for(model) -> dict[str, np.ndarray]:
         if "mask" in inp.name:
             feeds[inp.name] = np.ones(shape, np.int64)
         elif inp.type.tensor_type.elem_type == 7:  # int64 ids
-            feeds[inp.name] = rng.integers(0, 1000, shape).astype(np.int64)
+            feeds[inp.name] = rng.integers(0, min(1000, vocab), shape).astype(np.int64)
         else:
             feeds[inp.name] = rng.standard_normal(shape).astype(np.float32)
     return feeds
