@@ -66,8 +66,9 @@ class Gather(frontend.OnnxOpConverter):
         if not isinstance(indices, tvm.ir.GenericConst) or extent is None:
             return frontend.Gather._impl_v13(bb, inputs, attr, params)
         index = indices.value.numpy()
-        if ((index < -extent) | (index >= extent)).any():
-            raise ValueError(f"index {index.min()}..{index.max()} out of range for an axis of {extent}")
+        outside = index[(index < -extent) | (index >= extent)]
+        if outside.size:
+            raise ValueError(f"index {outside.flat[0]} out of range for an axis of {extent}")
         index = np.where(index < 0, index + extent, index).astype(index.dtype)
         return relax.op.take(data, relax.const(index, str(index.dtype)), attr.get("axis", 0))
 

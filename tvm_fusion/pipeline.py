@@ -34,8 +34,10 @@ Order, and why:
    ``FuseAttention``: each attention block becomes one ``fused_attention`` function (after the
    QKV merge, which it looks through; before fusion, which would otherwise split the block).
 4. ``RewriteLayout`` + ``FoldConstant``: NCHW{c}/NHWC per target; weights transformed at compile time.
-   ``WidenLongReductions``: a mean / variance / sum over thousands of elements (a GroupNorm's
-   statistics) accumulates in float64, or its float32 rounding error compounds through the layers.
+   ``DecomposeGroupNorm``: group norms as means and elementwise ops, in the layout they now have.
+   ``WidenLongReductions`` (CPU): a mean / variance / sum over thousands of elements (a
+   GroupNorm's statistics) accumulates in float64, or its float32 rounding error compounds
+   through the layers.
 5. ``ApplyFusionPolicy``: groups named ops into Primitive functions as the policy decides.
 6. ``LowerAttention``: fused attention (and ``R.nn.attention``) becomes the target's
    FlashAttention-style kernel (``schedules/attention.py``), already scheduled.
@@ -177,7 +179,8 @@ def pipeline_stages(
         chosen = PIPELINE_LAYOUT.get(target.kind.name, "auto") if layout is True else layout
         rewrite += [RewriteLayout(target, chosen), relax.transform.FoldConstant()]
     rewrite.append(DecomposeGroupNorm())  # in the layout it now has
-    rewrite.append(WidenLongReductions())  # its statistics too
+    if target.kind.name == "llvm":  # its statistics too (GPU reductions are trees: not needed)
+        rewrite.append(WidenLongReductions())
     rewrite.append(PadConvChannels(target))  # whole vectors of output channels (CPU, NCHW)
     fuse = [ApplyFusionPolicy(policy, target)] if fusion else []
     fuse += [

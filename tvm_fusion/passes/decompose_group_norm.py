@@ -1,15 +1,18 @@
-"""DecomposeGroupNorm: ``R.nn.group_norm`` as mean / variance / elementwise ops, in its own layout.
+"""DecomposeGroupNorm: ``R.nn.group_norm`` as means and elementwise ops, in its own layout.
 
 Runs after RewriteLayout. ``group_norm`` is kept whole until then so that it can follow its input
 into a channels-last layout (``RecognizeGroupNorm``); after that, the ops are what the fusion policy
 and the schedules handle well: TOPI's group_norm is one kernel that computes the variance as
 E[x²] - E[x]² (cancels badly when the mean is large) and, with one group, runs its whole reduction
 on one thread (CPU) or one thread block (CUDA), normalization included. Decomposed, the mean and
-the two-pass variance are reductions of their own and the normalization fuses with its neighbours.
+the variance (the mean of the squared deviations, two-pass) are reductions of their own, one per
+kernel, and the normalization fuses with its neighbours.
 
-Channels-first ``[N, C, *S]`` groups as ``[N, G, C/G * S]`` (what torch exports, so the kernels on
-CPU are the ones the exported model had); channels-last ``[N, *S, C]`` as ``[N, 1, S * C]`` for one
-group, else ``[N, S, G, C/G]`` reduced over axes 1 and 3. Other axis choices stay as they are.
+Channels-first ``[N, C, *S]`` groups as ``[N, G, C/G, *S]`` (the exported groups, split off the
+channel axis only: a conv that takes the view as its epilogue still writes plain output
+positions) or, for one group, ``[N, 1, C * S]``; channels-last ``[N, *S, C]`` as
+``[N, 1, S * C]`` for one group, else ``[N, S, G, C/G]`` reduced over axes 1 and 3. Other axis
+choices stay as they are.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def _grouping(call: relax.Call):
             return [n, 1, channels * math.prod(shape[2:])], [2], per_channel
         # [N, G, C/G, *S], not [N, G, C/G * S]: a split of the channel axis only, so a conv before
         # it that takes the reshape as its epilogue still writes [N, C, *S] positions plainly
-        # (BiT's Winograd convs: the flattened view made its output indices div/mod chains)
+        # (BiT's Winograd convs: through the flattened view, its 7x7 F(2) convs' output indices
+        # became div/mod chains no schedule could tile)
         return [n, groups, channels // groups, *shape[2:]], list(range(2, rank + 1)), per_channel
     if channel_axis == rank - 1 and axes == list(range(1, rank - 1)):
         spatial = math.prod(shape[1:-1])
@@ -100,7 +104,7 @@ class _Decomposer(relax.PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="DecomposeGroupNorm")
 class DecomposeGroupNorm:
-    """Expand float32 ``R.nn.group_norm`` into mean, variance and elementwise ops (see module doc)."""
+    """Expand float32 ``R.nn.group_norm`` into means and elementwise ops (see module doc)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         return rewrite_functions(mod, {"relax.nn.group_norm"}, _applies, _Decomposer)

@@ -21,12 +21,12 @@ from ._util import (
     PARALLEL_MIN_ELEMENTS,
     CpuRule,
     bare_var_dim,
+    computed_within,
     int_extent,
     is_cpu,
     last_dim_stride,
     logger,
     reachable_blocks,
-    reverse_compute_within,
     safe_rule,
     try_primitive,
     vector_lanes,
@@ -131,7 +131,7 @@ class PlainReduction(CpuRule):
         r_vars = [it.var for it in info.iters[n_s:]]
         if last_dim_stride(src, r_vars[-1]) != 1 or len(stmt.writes) != 1:
             return None  # the innermost reduction axis must walk the operand contiguously
-        _inline_producers(sch, red)
+        _inline_producers(sch, red, r_vars)
         lanes = vector_lanes(target, str(stmt.writes[0].source.dtype))
         loops = sch.get_loops(red)
         r_loops = loops[n_s:]
@@ -154,9 +154,24 @@ class PlainReduction(CpuRule):
         for blk in reachable_blocks(sch, red, sch.get_consumers):
             if try_primitive(sch.reverse_compute_inline, blk):
                 continue
-            if reverse_compute_within(sch, blk, red, rows):
-                _vectorize_elementwise_within(sch, blk, rows, lanes)
+            if _compute_within_rows(sch, blk, rows):
+                dtype = str(sch.get(blk).writes[0].source.dtype)
+                _vectorize_elementwise_within(sch, blk, rows, vector_lanes(target, dtype))
         return sch
+
+
+def _compute_within_rows(sch, block, rows) -> bool:
+    """``reverse_compute_at(block, rows)`` if the block then reads, from every block it reads
+    (the reduction, or an epilogue block already placed per row), only what that block computes
+    in the same row (:func:`computed_within`: a reshape that scatters a row must stay out); else
+    False, with ``sch`` untouched."""
+    probe = sch.copy()
+    if not try_primitive(probe.reverse_compute_at, block, rows, False):
+        return False
+    if not all(computed_within(probe, block, p, rows) for p in probe.get_producers(block)):
+        return False
+    sch.reverse_compute_at(block, rows, False)
+    return True
 
 
 def _vectorize_elementwise_within(sch, block, rows, lanes: int) -> None:
@@ -173,12 +188,23 @@ def _vectorize_elementwise_within(sch, block, rows, lanes: int) -> None:
         try_primitive(sch.vectorize, vec)
 
 
-def _inline_producers(sch, block) -> None:
-    """Inline the whole elementwise chain that feeds ``block``, not only its last link: a
-    GroupNorm's variance squares the deviations, then casts them to float64; with only the cast
-    inlined, the square stayed a serial stage writing the whole tensor (BiT: 0.7 ms a group norm)."""
-    while any(try_primitive(sch.compute_inline, blk) for blk in sch.get_producers(block)):
+def _inline_producers(sch, block, r_vars) -> None:
+    """Inline the chain that feeds ``block``, not only its last link: a GroupNorm's variance
+    squares the deviations, then casts them to float64; with only the cast inlined, the square
+    stayed a serial stage writing the whole tensor (BiT: 0.7 ms a group norm). Only as far as the
+    reduction still walks what it reads contiguously (a transpose up the chain would not); else
+    its direct producers only."""
+    probe = sch.copy()
+    while any(try_primitive(probe.compute_inline, blk) for blk in probe.get_producers(block)):
         pass
+    varying = _reads_varying_with_reduction(probe.get(block))
+    reads = [r for r in probe.get(block).reads if any(r.source.same_as(v) for v in varying)]
+    if reads and all(last_dim_stride(r, r_vars[-1]) == 1 for r in reads):
+        while any(try_primitive(sch.compute_inline, blk) for blk in sch.get_producers(block)):
+            pass
+        return
+    for blk in sch.get_producers(block):
+        try_primitive(sch.compute_inline, blk)
 
 
 def _partial_sums(extent: int | None, lanes: int) -> int | None:

@@ -70,17 +70,24 @@ def _domain(sch, block) -> list[int | None]:
     return [int(e) if isinstance(e, tirx.IntImm) else None for e in extents]
 
 
-def _iterate_as_output(sch, block, dims: list[int | None]) -> bool:
-    """Make the last epilogue block iterate over the conv's output ``[b, k, h, w]``, which the
-    task tiling below splits. A reshape at the end of the chain (GroupNorm's ``[N, G, C/G·H·W]``
-    view of the conv's output: BiT) iterates over its own shape; it is re-indexed in row-major
-    order, which changes only the order of its iterations, not what each one writes. False when
-    the element counts differ or a size is symbolic."""
-    own = _domain(sch, block)
+def _iterate_as_output(sch, chain: list, dims: list[int | None]) -> bool:
+    """Make the last block of the epilogue ``chain`` iterate over the conv's output
+    ``[b, k, h, w]`` (``dims``), which the task tiling below splits. A reshape at the end of the
+    chain (a GroupNorm's grouped view of the conv's output, ``[N, G, C/G, H, W]`` as BiT's
+    GroupNorm(32) gives it, or ``[N, 1, C·H·W]`` for one group) iterates over its own shape; it
+    is re-indexed in row-major order, which changes only the order of its iterations, not what
+    each one writes. A last block of the output's rank is taken as it is (a crop, a bias add).
+    Re-indexed only when every other block iterates over ``dims`` and the last one over another
+    rank (only views change the rank; a transpose after the reshape would be a block of its own,
+    not over ``dims``) with as many points, all static; else False."""
+    own = _domain(sch, chain[-1])
     if len(own) == len(dims):
         return True
+    if any(_domain(sch, blk) != dims for blk in chain[:-1]):
+        return False
     if None in own or None in dims or math.prod(own) != math.prod(dims):
         return False
+    block = chain[-1]
 
     def row_major(*old):
         # simplified per dim (k = g * C/G + j // HW, not (g * C/G * HW + j) // HW): the inverse
@@ -195,7 +202,7 @@ class Winograd(CpuRule):
         if epilogue is None:
             return None
         chain = [output, *epilogue]
-        if not _iterate_as_output(sch, chain[-1], _domain(sch, output)):
+        if not _iterate_as_output(sch, chain, _domain(sch, output)):
             return None
         # a value feeding two blocks (SiLU's x * sigmoid(x)) stays a stage: inlined, the output
         # transform (a select over the tile's m x m positions of sums of up to α² terms) would be
