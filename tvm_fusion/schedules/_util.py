@@ -181,11 +181,14 @@ def computed_within(sch: s_tir.Schedule, consumer, producer, loop) -> bool:
 
 def reverse_compute_within(sch: s_tir.Schedule, consumer, producer, loop, preserve_unit_loops=False) -> bool:
     """``reverse_compute_at(consumer, loop)`` if the consumer then reads within the producer's
-    iteration (:func:`computed_within`); else False, with ``sch`` untouched."""
+    iteration (:func:`computed_within`), or, with ``producer`` None, within the iteration of every
+    block it reads (a chain of epilogue blocks placed one after the other); else False, with
+    ``sch`` untouched."""
     probe = sch.copy()
     if not try_primitive(probe.reverse_compute_at, consumer, loop, preserve_unit_loops):
         return False
-    if not computed_within(probe, consumer, producer, loop):
+    producers = [producer] if producer is not None else probe.get_producers(consumer)
+    if not all(computed_within(probe, consumer, p, loop) for p in producers):
         return False
     sch.reverse_compute_at(consumer, loop, preserve_unit_loops)
     return True

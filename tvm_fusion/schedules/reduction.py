@@ -21,12 +21,12 @@ from ._util import (
     PARALLEL_MIN_ELEMENTS,
     CpuRule,
     bare_var_dim,
-    computed_within,
     int_extent,
     is_cpu,
     last_dim_stride,
     logger,
     reachable_blocks,
+    reverse_compute_within,
     safe_rule,
     try_primitive,
     vector_lanes,
@@ -154,24 +154,11 @@ class PlainReduction(CpuRule):
         for blk in reachable_blocks(sch, red, sch.get_consumers):
             if try_primitive(sch.reverse_compute_inline, blk):
                 continue
-            if _compute_within_rows(sch, blk, rows):
+            # checked against every block it reads: a reshape that scatters a row stays out
+            if reverse_compute_within(sch, blk, None, rows):
                 dtype = str(sch.get(blk).writes[0].source.dtype)
                 _vectorize_elementwise_within(sch, blk, rows, vector_lanes(target, dtype))
         return sch
-
-
-def _compute_within_rows(sch, block, rows) -> bool:
-    """``reverse_compute_at(block, rows)`` if the block then reads, from every block it reads
-    (the reduction, or an epilogue block already placed per row), only what that block computes
-    in the same row (:func:`computed_within`: a reshape that scatters a row must stay out); else
-    False, with ``sch`` untouched."""
-    probe = sch.copy()
-    if not try_primitive(probe.reverse_compute_at, block, rows, False):
-        return False
-    if not all(computed_within(probe, block, p, rows) for p in probe.get_producers(block)):
-        return False
-    sch.reverse_compute_at(block, rows, False)
-    return True
 
 
 def _vectorize_elementwise_within(sch, block, rows, lanes: int) -> None:
@@ -194,14 +181,17 @@ def _inline_producers(sch, block, r_vars) -> None:
     stayed a serial stage writing the whole tensor (BiT: 0.7 ms a group norm). Only as far as the
     reduction still walks what it reads contiguously (a transpose up the chain would not); else
     its direct producers only."""
+
+    def inline_all(schedule) -> None:
+        while any(try_primitive(schedule.compute_inline, blk) for blk in schedule.get_producers(block)):
+            pass
+
     probe = sch.copy()
-    while any(try_primitive(probe.compute_inline, blk) for blk in probe.get_producers(block)):
-        pass
+    inline_all(probe)
     varying = _reads_varying_with_reduction(probe.get(block))
     reads = [r for r in probe.get(block).reads if any(r.source.same_as(v) for v in varying)]
     if reads and all(last_dim_stride(r, r_vars[-1]) == 1 for r in reads):
-        while any(try_primitive(sch.compute_inline, blk) for blk in sch.get_producers(block)):
-            pass
+        inline_all(sch)
         return
     for blk in sch.get_producers(block):
         try_primitive(sch.compute_inline, blk)
