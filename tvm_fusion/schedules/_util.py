@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 
 import tvm
@@ -91,6 +92,27 @@ def access_class(region, var) -> str:
     if used_dims == [ndim - 2, ndim - 1] and _is_split_plane(region, var):
         return "contiguous"  # [.., v // W, v % W] of an [.., H, W] buffer: v walks it linearly
     return "strided"
+
+
+def group_width(region, var) -> int | None:
+    """``G`` when ``var`` moves the access only through ``var // G`` (a grouped conv's input
+    channel ``oc // G * Cg + rc``), else None: the access is then invariant along any tile of
+    ``var`` whose width divides ``G`` and starts at a multiple of it."""
+    widths = []
+
+    def visit(expr) -> bool:  # False: var used otherwise than as var // G
+        if isinstance(expr, tirx.FloorDiv) and expr.a.same_as(var) and isinstance(expr.b, tirx.IntImm):
+            widths.append(int(expr.b))
+            return True
+        if not uses_var(expr, var):
+            return True
+        operands = [getattr(expr, f) for f in ("a", "b") if hasattr(expr, f)]
+        return bool(operands) and all(visit(x) for x in operands)
+
+    for rng in region.region:
+        if not (visit(rng.min) and visit(rng.extent)):
+            return None
+    return math.gcd(*widths) if widths else None
 
 
 def _is_split_plane(region, var) -> bool:

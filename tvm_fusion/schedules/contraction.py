@@ -55,6 +55,7 @@ from ._util import (
     bare_var_dim,
     divisors_upto,
     get_sblock_realize,
+    group_width,
     int_extent,
     is_one,
     last_dim_stride,
@@ -415,12 +416,18 @@ class Contraction(CpuRule):
         for v_it in s_iters:
             pen = 0.0
             kinds = {}
+            groups = {}  # id(read) -> G: invariant along vector tiles whose width divides G
             for r in reads:
                 c = access_class(r, v_it.var)
                 stride = 1
                 if c == "contiguous" and any(uses_var(r.region[-1].min, rv) for rv in r_vars):
                     # a sliding window (w + kw): misaligned loads, half of them split across lines
                     c = "sliding"
+                elif c == "strided" and group_width(r, v_it.var):
+                    # a grouped conv's input along its output channels (``oc // G``): one
+                    # broadcast per tile within a group, a gather across groups (priced per vt)
+                    c = "grouped"
+                    groups[id(r)] = group_width(r, v_it.var)
                 elif c == "strided":
                     stride = last_dim_stride(r, v_it.var)
                     if r.source in layout_free and bare_var_dim(r, v_it.var) is not None:
@@ -461,6 +468,8 @@ class Contraction(CpuRule):
                 rts = [1] if row_it is None else _row_tiles(row_it.dom, self.max_rows)
                 for vt, vt_pen in vts.items():
                     nvec = math.ceil(vt / lanes)
+                    split_groups = [g for g in groups.values() if g % vt]
+                    vt_pen += GATHER_PENALTY * len(split_groups)
                     for rt in rts:
                         acc = rt * nvec
                         # accumulators + one row of operand vectors + the broadcast register
@@ -471,6 +480,8 @@ class Contraction(CpuRule):
                             varies_row = row_it is not None and access_class(r, row_it.var) != "invariant"
                             mult = rt if varies_row else 1
                             c, stride = kinds[id(r)]
+                            if c == "grouped":
+                                c = "strided" if groups[id(r)] % vt else "invariant"
                             if c == "invariant":
                                 loads += mult
                             elif c in ("contiguous", "packed"):
