@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import tvm
@@ -26,7 +28,7 @@ from tvm_fusion.schedules import (
     apply_default_schedules,
     default_rules,
 )
-from tvm_fusion.schedules._util import PARALLEL_MIN_ELEMENTS, collect_loops, loop_kinds, uses_var
+from tvm_fusion.schedules._util import PARALLEL_MIN_ELEMENTS, collect_loops, loop_kinds, safe_rule, uses_var
 from tvm_fusion.schedules.contraction import MAX_IMBALANCE, _imbalance
 from tvm_fusion.schedules.fallback import get_sblock_realize
 
@@ -453,6 +455,63 @@ def test_pools_and_mean():
 
     # 64 x 24 x 24 means: enough elements for the mean's parallel loop (PARALLEL_MIN_ELEMENTS)
     _check(relax_main({"x": (1, 64, 48, 48)}, body), [_rand(1, 64, 48, 48)], need_vector=False)
+
+
+def _mean_then_erf_gelu(bb, x):
+    """FocalNet's ``mean -> gelu``: the mean read by two of GELU's blocks (``x / sqrt(2)`` for
+    the erf, ``x * ...`` at the end)."""
+    mean = bb.emit(relax.op.mean(x, axis=[3], keepdims=True))
+    erf = bb.emit(relax.op.erf(bb.emit(relax.op.multiply(mean, relax.const(0.7071067811865476, "float32")))))
+    half = bb.emit(
+        relax.op.multiply(
+            bb.emit(relax.op.add(erf, relax.const(1.0, "float32"))), relax.const(0.5, "float32")
+        )
+    )
+    return relax.op.multiply(mean, half)
+
+
+def test_reduction_epilogue_read_twice_keeps_the_reduction_schedule(caplog):
+    """The reduction rule reverse-inlined GELU's first block into the mean although GELU's last
+    block read the mean too; this TVM's ``reverse_compute_inline`` allows that and drops the
+    mean's buffer, and FocalNet's four ``mean -> gelu`` kernels failed to compile."""
+    mod = relax_main({"x": (1, 96, 1, 56)}, _mean_then_erf_gelu)
+    x = _rand(1, 96, 1, 56)
+    with caplog.at_level("WARNING", logger="tvm_fusion.schedules"):
+        sched = _check(mod, [x], need_vector=False)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    (func,) = _prim_funcs(sched).values()
+    rf_buffers = [
+        b.name
+        for n in tir_stmts(func)
+        if isinstance(n, s_tir.SBlock)
+        for b in n.alloc_buffers
+        if b.name.endswith(".rf")
+    ]
+    assert rf_buffers, f"not the reduction rule's schedule (its partial sums in SIMD lanes)\n{func}"
+    mean = x.mean(axis=3, keepdims=True)
+    expected = mean * 0.5 * (1 + np.vectorize(math.erf)(mean / math.sqrt(2)))
+    np.testing.assert_allclose(_run(sched, [x]), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rule_whose_schedule_drops_a_buffer_declines(caplog):
+    """A schedule that reads a buffer it no longer defines (the ``reverse_compute_inline`` bug
+    above) would fail the whole build at compile time; the rule declines instead, with a warning,
+    and the next rule schedules the kernel."""
+
+    class Careless(dl.ScheduleRule):
+        @safe_rule
+        def apply(self, func, target, tunable):
+            sch = s_tir.Schedule(func)
+            (divide,) = [
+                b for b in sch.get_child_blocks(sch.get_sblock("root")) if "divide" in sch.get(b).name_hint
+            ]
+            sch.reverse_compute_inline(sch.get_consumers(divide)[0])  # the mean has two readers
+            return sch
+
+    (func,) = _prim_funcs(_fused(relax_main({"x": (1, 96, 1, 56)}, _mean_then_erf_gelu))).values()
+    with caplog.at_level("WARNING", logger="tvm_fusion.schedules"):
+        assert Careless().apply(func, ZNVER3, False) is None
+    assert "T_divide" in caplog.text and "no longer defines" in caplog.text
 
 
 def test_small_elementwise_kernel_runs_single_threaded():

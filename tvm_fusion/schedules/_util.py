@@ -317,12 +317,39 @@ def safe_rule(apply):
     @functools.wraps(apply)
     def wrapper(self, *args, **kwargs):
         try:
-            return apply(self, *args, **kwargs)
+            sch = apply(self, *args, **kwargs)
         except Exception as err:  # pylint: disable=broad-except
             logger.debug("%s did not apply: %s", type(self).__name__, err)
             return None
+        if isinstance(sch, s_tir.Schedule):
+            missing = undefined_buffers(sch.mod["main"])
+            if missing:
+                logger.warning(
+                    "%s scheduled a kernel that reads %s, which it no longer defines (a schedule "
+                    "primitive's bug); the kernel gets the next rule's schedule instead",
+                    type(self).__name__,
+                    ", ".join(sorted(missing)),
+                )
+                return None
+        return sch
 
     return wrapper
+
+
+def undefined_buffers(func: tirx.PrimFunc) -> set:
+    """Names of the buffers blocks of ``func`` read or write that are neither parameters nor
+    allocated anywhere in it: lowering fails on them ("used before its definition")."""
+    defined = [p for p in func.params if isinstance(p, tirx.Buffer)]
+    blocks = [node for node in tir_stmts(func) if isinstance(node, s_tir.SBlock)]
+    for blk in blocks:
+        defined.extend(blk.alloc_buffers)
+        defined.extend(m.buffer for m in blk.match_buffers)
+    return {
+        region.source.name
+        for blk in blocks
+        for region in (*blk.reads, *blk.writes)
+        if not any(region.source.same_as(buf) for buf in defined)
+    }
 
 
 class Declining(ScheduleRule):

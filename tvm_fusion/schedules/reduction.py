@@ -152,13 +152,22 @@ class PlainReduction(CpuRule):
         # whole group): each block per row, its loops fused and vectorized; left at the root, the
         # subtract was one serial scalar loop over the tensor (BiT: 0.6 ms a group norm)
         for blk in reachable_blocks(sch, red, sch.get_consumers):
-            if try_primitive(sch.reverse_compute_inline, blk):
+            if _sole_consumer(sch, blk) and try_primitive(sch.reverse_compute_inline, blk):
                 continue
             # checked against every block it reads: a reshape that scatters a row stays out
             if reverse_compute_within(sch, blk, None, rows):
                 dtype = str(sch.get(blk).writes[0].source.dtype)
                 _vectorize_elementwise_within(sch, blk, rows, vector_lanes(target, dtype))
         return sch
+
+
+def _sole_consumer(sch, block) -> bool:
+    """Whether ``block`` is the only reader of what its producer writes. This TVM's
+    ``reverse_compute_inline`` does not check it: inlining GELU's ``x / sqrt(2)`` into a mean's
+    division dropped the mean's buffer that GELU's ``x * ...`` still read (FocalNet's
+    ``mean -> gelu`` kernels failed to compile)."""
+    producers = sch.get_producers(block)
+    return len(producers) == 1 and len(sch.get_consumers(producers[0])) == 1
 
 
 def _vectorize_elementwise_within(sch, block, rows, lanes: int) -> None:
