@@ -16,6 +16,7 @@ import textwrap
 import numpy as np
 import onnx
 import pytest
+from conftest import ort_run, run_outputs
 from onnx import TensorProto, helper
 
 from tvm_fusion import FusionPolicy, InputError, build, load, models
@@ -469,3 +470,38 @@ def test_summary_with_buckets_counts_each_op_once():
     assert bucketed.summary.ops == plain.summary.ops == 1
     assert bucketed.summary.kernels == plain.summary.kernels
     assert bucketed.summary.entries == 3 and "2 shape-bucket entries" in bucketed.describe()
+
+
+def _mean_gelu_model():
+    """``ReduceMean -> Gelu`` written out with Erf, as exporters write it (FocalNet)."""
+    nodes = [
+        helper.make_node("ReduceMean", ["x"], ["m"], axes=[3], keepdims=1),
+        helper.make_node("Div", ["m", "sqrt2"], ["d"]),
+        helper.make_node("Erf", ["d"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["a"]),
+        helper.make_node("Mul", ["m", "a"], ["p"]),
+        helper.make_node("Mul", ["p", "half"], ["y"]),
+    ]
+    model = _model("mean_gelu", nodes, [_tensor("x", [1, 96, 1, 56])], [_tensor("y", [1, 96, 1, 1])])
+    for name, value in (("sqrt2", 2**0.5), ("one", 1.0), ("half", 0.5)):
+        model.graph.initializer.append(helper.make_tensor(name, TensorProto.FLOAT, [], [value]))
+    return model
+
+
+def test_a_kernel_that_fails_to_compile_is_named(monkeypatch):
+    """A schedule bug that reaches codegen (here the reduction rule's reverse-inlining before its
+    sole-consumer check, with the ill-formed-schedule guard off) fails the build with the kernel's
+    name, not only TVM's message about a buffer."""
+    from tvm_fusion.schedules import _util, reduction
+
+    monkeypatch.setattr(_util, "undefined_buffers", lambda func: set())
+    monkeypatch.setattr(reduction, "_sole_consumer", lambda sch, block: True)
+    with pytest.raises(Exception, match=r"failed \(kernel fused_mean\w*\): .*T_divide"):
+        build(_mean_gelu_model(), "llvm", tuning_logs=None)
+
+
+def test_the_mean_gelu_pattern_builds_and_matches_onnxruntime():
+    model = _mean_gelu_model()
+    x = np.random.default_rng(0).standard_normal((1, 96, 1, 56)).astype("float32")
+    (got,) = run_outputs(build(model, "llvm", tuning_logs=None).executable, [x])
+    np.testing.assert_allclose(got, ort_run(model, {"x": x}), rtol=1e-5, atol=1e-6)

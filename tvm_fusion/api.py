@@ -136,8 +136,10 @@ def build(
             mod, target=target, relax_pipeline=build_pipeline(target), tir_pipeline=tir_pipeline(target)
         )
     except Exception as err:
+        kernel = _failing_kernel(mod, target)
+        where = f" (kernel {kernel})" if kernel else ""
         raise TvmFusionError(
-            f"compiling {imported.name} for {target.kind.name} failed: {last_line(err)}"
+            f"compiling {imported.name} for {target.kind.name} failed{where}: {last_line(err)}"
         ) from err
     return BuildResult(
         executable,
@@ -152,6 +154,20 @@ def build(
         build_seconds=time.perf_counter() - start,
         buckets=buckets,
     )
+
+
+def _failing_kernel(mod: tvm.IRModule, target) -> str | None:
+    """The first kernel of ``mod`` that does not compile on its own, so that a failed build names
+    it (one compile per kernel: only on the failure path)."""
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        try:
+            single = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+            tvm.compile(single, target=target, tir_pipeline=tir_pipeline(target))
+        except Exception:  # pylint: disable=broad-except
+            return gv.name_hint
+    return None
 
 
 def _scheduled_count(mod: tvm.IRModule) -> int:
