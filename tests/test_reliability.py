@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 
 from tvm_fusion import FusionPolicy, InputError, build, load, models
 from tvm_fusion.cli import main
-from tvm_fusion.errors import ExportError, ModuleError, PolicyError, last_line
+from tvm_fusion.errors import ExportError, ModuleError, PolicyError, TvmFusionError, last_line
 from tvm_fusion.policy import POLICY_FIELDS, ROOFLINE_FIELDS
 
 # -- shared artefacts (one build each per module) -------------------------------------------------
@@ -496,7 +496,9 @@ def test_a_kernel_that_fails_to_compile_is_named(monkeypatch):
 
     monkeypatch.setattr(_util, "undefined_buffers", lambda func: set())
     monkeypatch.setattr(reduction, "_sole_consumer", lambda sch, block: True)
-    with pytest.raises(Exception, match=r"failed \(kernel fused_mean\w*\): .*T_divide"):
+    with pytest.raises(
+        TvmFusionError, match=r"T_divide.*\(kernel fused_mean\w* fails on its own: .*T_divide"
+    ):
         build(_mean_gelu_model(), "llvm", tuning_logs=None)
 
 

@@ -226,17 +226,19 @@ def test_nchw_conv_vectorizes_output_channels(cin, cout, size, k):
     assert vt % 8 == 0 and shape[0] * vt == cout and shape[1:4] == (cin, k, k), shape
 
 
-@pytest.mark.parametrize("group_width,size,stride", [(8, 7, 1), (16, 9, 1), (8, 14, 2)])
-def test_grouped_conv_vectorizes_output_channels_within_a_group(group_width, size, stride):
+@pytest.mark.parametrize("group_width,size", [(16, 7), (24, 7), (32, 9)])
+def test_grouped_conv_vectorizes_output_channels_within_a_group(group_width, size):
     """A grouped conv reads input channel ``oc // G * G + rc``: along output channels that is one
     broadcast per vector tile that stays inside a group, not a gather. The rule priced it as a
     gather and put the lanes on W (RegNetX's 400-channel 7x7 convs, 16 channels a group: 7 of 16
-    lanes busy, 0.075 -> 0.046 ms with the lanes on output channels)."""
+    lanes busy, 0.075 -> 0.046 ms with the lanes on output channels). Shapes the depthwise form
+    (``legalize/depthwise_conv.py``: up to 16 channels a group on planes at least 8 wide) leaves
+    to TVM's conv and this rule."""
     channels = 4 * group_width
     w, b = _rand(channels, group_width, 3, 3, scale=0.2), _rand(1, channels, 1, 1)
 
     def body(bb, x):
-        y = relax.op.nn.conv2d(x, relax.const(w), strides=stride, padding=1, groups=channels // group_width)
+        y = relax.op.nn.conv2d(x, relax.const(w), padding=1, groups=channels // group_width)
         return relax.op.nn.relu(bb.emit(relax.op.add(bb.emit(y), relax.const(b))))
 
     sched = _check(
@@ -245,6 +247,8 @@ def test_grouped_conv_vectorizes_output_channels_within_a_group(group_width, siz
         rtol=1e-4,
         atol=1e-4,
     )
+    (name,) = [n for n in _prim_funcs(sched) if "conv" in n]
+    assert "depthwise" not in name, name
     (shape,) = _packed_conv_weight(sched)
     vt = shape[-1]
     assert group_width % vt == 0 and shape[0] * vt == channels and shape[1:4] == (group_width, 3, 3), shape
@@ -478,7 +482,8 @@ def test_reduction_epilogue_read_twice_keeps_the_reduction_schedule(caplog):
     x = _rand(1, 96, 1, 56)
     with caplog.at_level("WARNING", logger="tvm_fusion.schedules"):
         sched = _check(mod, [x], need_vector=False)
-    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("tvm_fusion")]
+    assert not ours, ours
     (func,) = _prim_funcs(sched).values()
     rf_buffers = [
         b.name
@@ -505,7 +510,9 @@ def test_a_rule_whose_schedule_drops_a_buffer_declines(caplog):
             (divide,) = [
                 b for b in sch.get_child_blocks(sch.get_sblock("root")) if "divide" in sch.get(b).name_hint
             ]
-            sch.reverse_compute_inline(sch.get_consumers(divide)[0])  # the mean has two readers
+            # the mean has two readers: this TVM inlines anyway and drops the mean's buffer (if a
+            # later TVM refuses, safe_rule declines without the warning and this test says so)
+            sch.reverse_compute_inline(sch.get_consumers(divide)[0])
             return sch
 
     (func,) = _prim_funcs(_fused(relax_main({"x": (1, 96, 1, 56)}, _mean_then_erf_gelu))).values()

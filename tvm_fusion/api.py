@@ -27,6 +27,8 @@ from .shape_cache import add_shape_buckets
 from .targets import check_can_build, parse_target, target_json
 from .tuning.records import load_records
 
+FIND_FAILING_KERNEL_S = 60.0  # spent looking for the kernel a failed build fails on
+
 DEFAULT_TUNING_LOGS = "tuning_logs"
 
 
@@ -136,10 +138,10 @@ def build(
             mod, target=target, relax_pipeline=build_pipeline(target), tir_pipeline=tir_pipeline(target)
         )
     except Exception as err:
-        kernel = _failing_kernel(mod, target)
-        where = f" (kernel {kernel})" if kernel else ""
+        failing = _failing_kernel(mod, target)
+        alone = f" (kernel {failing[0]} fails on its own: {failing[1]})" if failing else ""
         raise TvmFusionError(
-            f"compiling {imported.name} for {target.kind.name} failed{where}: {last_line(err)}"
+            f"compiling {imported.name} for {target.kind.name} failed: {last_line(err)}{alone}"
         ) from err
     return BuildResult(
         executable,
@@ -156,17 +158,21 @@ def build(
     )
 
 
-def _failing_kernel(mod: tvm.IRModule, target) -> str | None:
-    """The first kernel of ``mod`` that does not compile on its own, so that a failed build names
-    it (one compile per kernel: only on the failure path)."""
+def _failing_kernel(mod: tvm.IRModule, target, budget_s: float = FIND_FAILING_KERNEL_S):
+    """``(name, error)`` of the first kernel of ``mod`` that does not compile on its own, so that
+    a failed build names it; None when none does within ``budget_s`` (one LLVM build per kernel,
+    on the failure path only)."""
+    deadline = time.perf_counter() + budget_s
     for gv, func in mod.functions.items():
         if not isinstance(func, tvm.tirx.PrimFunc):
             continue
+        if time.perf_counter() > deadline:
+            return None
         try:
             single = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
             tvm.compile(single, target=target, tir_pipeline=tir_pipeline(target))
-        except Exception:  # pylint: disable=broad-except
-            return gv.name_hint
+        except Exception as err:  # pylint: disable=broad-except
+            return gv.name_hint, last_line(err, limit=200)
     return None
 
 

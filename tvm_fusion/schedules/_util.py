@@ -96,8 +96,9 @@ def access_class(region, var) -> str:
 
 def group_width(region, var) -> int | None:
     """``G`` when ``var`` moves the access only through ``var // G`` (a grouped conv's input
-    channel ``oc // G * Cg + rc``), else None: the access is then invariant along any tile of
-    ``var`` whose width divides ``G`` and starts at a multiple of it."""
+    channel ``oc // G * Cg + rc``, ``G`` output channels a group; the gcd when several such
+    divisions use it), else None: the access is then invariant along any tile of ``var`` whose
+    width divides ``G`` and starts at a multiple of it."""
     widths = []
 
     def visit(expr) -> bool:  # False: var used otherwise than as var // G
@@ -318,19 +319,18 @@ def safe_rule(apply):
     def wrapper(self, *args, **kwargs):
         try:
             sch = apply(self, *args, **kwargs)
+            missing = undefined_buffers(sch.mod["main"]) if isinstance(sch, s_tir.Schedule) else None
         except Exception as err:  # pylint: disable=broad-except
             logger.debug("%s did not apply: %s", type(self).__name__, err)
             return None
-        if isinstance(sch, s_tir.Schedule):
-            missing = undefined_buffers(sch.mod["main"])
-            if missing:
-                logger.warning(
-                    "%s scheduled a kernel that reads %s, which it no longer defines (a schedule "
-                    "primitive's bug); the kernel gets the next rule's schedule instead",
-                    type(self).__name__,
-                    ", ".join(sorted(missing)),
-                )
-                return None
+        if missing:
+            logger.warning(
+                "%s scheduled a kernel that reads %s, which it no longer defines (a schedule "
+                "primitive's bug); the kernel gets the next rule's schedule instead",
+                type(self).__name__,
+                ", ".join(sorted(missing)),
+            )
+            return None
         return sch
 
     return wrapper
@@ -340,10 +340,14 @@ def undefined_buffers(func: tirx.PrimFunc) -> set:
     """Names of the buffers blocks of ``func`` read or write that are neither parameters nor
     allocated anywhere in it: lowering fails on them ("used before its definition")."""
     defined = [p for p in func.params if isinstance(p, tirx.Buffer)]
-    blocks = [node for node in tir_stmts(func) if isinstance(node, s_tir.SBlock)]
-    for blk in blocks:
-        defined.extend(blk.alloc_buffers)
-        defined.extend(m.buffer for m in blk.match_buffers)
+    blocks = []
+    for node in tir_stmts(func):
+        if isinstance(node, s_tir.SBlock):
+            blocks.append(node)
+            defined.extend(node.alloc_buffers)
+            defined.extend(m.buffer for m in node.match_buffers)
+        elif isinstance(node, (tirx.AllocBuffer, tirx.DeclBuffer)):
+            defined.append(node.buffer)
     return {
         region.source.name
         for blk in blocks

@@ -423,11 +423,11 @@ class Contraction(CpuRule):
                 if c == "contiguous" and any(uses_var(r.region[-1].min, rv) for rv in r_vars):
                     # a sliding window (w + kw): misaligned loads, half of them split across lines
                     c = "sliding"
-                elif c == "strided" and group_width(r, v_it.var):
+                elif c == "strided" and (width := group_width(r, v_it.var)):
                     # a grouped conv's input along its output channels (``oc // G``): one
                     # broadcast per tile within a group, a gather across groups (priced per vt)
                     c = "grouped"
-                    groups[id(r)] = group_width(r, v_it.var)
+                    groups[id(r)] = width
                 elif c == "strided":
                     stride = last_dim_stride(r, v_it.var)
                     if r.source in layout_free and bare_var_dim(r, v_it.var) is not None:
