@@ -572,6 +572,8 @@ class Contraction(CpuRule):
                 and blocked[0][0] == len(buf.shape) - 1
                 and int(buf.shape[-1]) == blocked[0][1]
             ):
+                if pad_block is not None:  # no packing to gain, but the padding folds all the same
+                    sch.annotate(pad_block, LAYOUT_REWRITE_PREPROC, True)
                 continue  # nothing to gain
             ndim = len(buf.shape)
             vec = [b for b in blocked if b[2] == 0]
