@@ -206,6 +206,7 @@ class Contraction(CpuRule):
         )
 
         # ---- pad the vector iter to whole vectors (see _plans) -----------------------------------
+        padded = {}  # the constant weights pad_einsum padded: their copies become the packing
         if v_it.dom % vt:
             v_pos = main_info.iters.index(v_it)
             row_pos = None if row_it is None else main_info.iters.index(row_it)
@@ -217,15 +218,14 @@ class Contraction(CpuRule):
             reads = [r for r in stmt.reads if not r.source.same_as(out_buf)]
             v_it = main_info.iters[v_pos]
             row_it = None if row_pos is None else main_info.iters[row_pos]
+            padded = _padded_weights(sch, main, layout_free)
 
         # ---- inline everything that is not a direct producer of the main block -------------------
         self._inline_around(sch, main)
 
         # ---- pack constant weights (before tiling: the index map is written on block vars) ------
         if self.prepack:
-            self._pack_weights(
-                sch, main, layout_free, v_it, vt, row_it, rt, _padded_weights(sch, main, layout_free)
-            )
+            self._pack_weights(sch, main, layout_free, v_it, vt, row_it, rt, padded)
 
         # ---- tile ----------------------------------------------------------------------------
         small = _single_threaded([int_extent(sch, it.loop_rv) for it in main_info.iters])
