@@ -249,6 +249,24 @@ def test_qkv_horizontal_fusion_feeds_fused_attention():
     assert rel_err(got, ort_run(model, feeds)) <= 1e-4
 
 
+@pytest.mark.parametrize("spelling", ["torchscript", "dynamo", "gpt2", "gpt2_dynamo"])
+def test_attention_reads_q_k_v_from_the_packed_projection(spelling):
+    """No kernel copies Q, K and V out of their packed projection (horizontal fusion's split,
+    GPT-2's Split): the attention kernel reads its columns. (The "vit" spelling takes them from
+    a transposed view, which is not traced.)"""
+    batch = 2
+    model = models.attention_layer(spelling, batch=batch, seq=SEQ, hidden=64, heads=4)
+    feeds = padded_feeds(model, SEQ)
+    result, got = build_and_run(model, feeds)
+    assert rel_err(got, ort_run(model, feeds)) <= 1e-4
+    assert not [c for c in kernel_calls(result.lowered) if "split" in c or "slice" in c]
+    kernel = next(
+        f for gv, f in result.lowered.functions.items() if gv.name_hint.startswith("flash_attention")
+    )
+    qkv = kernel.params[:3]  # buffers
+    assert [[int(d) for d in b.shape] for b in qkv] == [[batch, SEQ, 3 * 64]] * 3
+
+
 @pytest.mark.parametrize("causal", [None, "TopLeft"])
 def test_relax_attention_op_gets_the_fused_kernel(causal):
     batch, seq, heads, d = 2, SEQ, 3, 16
@@ -269,6 +287,34 @@ def test_relax_attention_op_gets_the_fused_kernel(causal):
     assert score_sized_buffers(lowered, seq) == []
     assert rel_err(run_relax(lowered, feeds), stock) <= 1e-4
     assert any(d.fused and "one op already" in d.reason for d in attention_decisions(mod))
+
+
+def test_attention_reads_slices_of_a_sequence_first_projection():
+    """torchvision's ViT: Q, K, V are last-axis slices of a (S, 1, 3E) in_proj output, reshaped
+    to (1, S, N, D); the kernel reads the (S, 1, 3E) tensor itself."""
+    seq, heads, d = SEQ, 4, 16
+    width = heads * d
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((seq, 1, 3 * width), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            qkv = [
+                bb.emit(
+                    relax.op.reshape(
+                        relax.op.strided_slice(x, [2], [i * width], [(i + 1) * width]), (1, seq, heads, d)
+                    )
+                )  # fmt: skip
+                for i in range(3)
+            ]
+            out = bb.emit_output(relax.op.nn.attention(*qkv))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    feeds = [np.random.default_rng(1).standard_normal((seq, 1, 3 * width)).astype(np.float32)]
+    lowered = tvm_fusion.optimize(mod, "llvm")
+    assert not [c for c in kernel_calls(lowered) if "slice" in c]
+    kernel = next(f for gv, f in lowered.functions.items() if gv.name_hint.startswith("flash_attention"))
+    assert [[int(d) for d in b.shape] for b in kernel.params[:3]] == [[seq, 1, 3 * width]] * 3
+    assert rel_err(run_relax(lowered, feeds), run_relax(mod, feeds)) <= 1e-4
 
 
 # -- the kernels ----------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from tvm.target import Target
 
 from ..ir import static_shape, with_bindings
 from ._util import num_cores, num_vector_registers, vector_lanes
+from .attention_inputs import PackedInputs
 
 SPEC_ATTR = "tvm_fusion.attention"
 KERNEL_NAME = "flash_attention"
@@ -282,8 +283,11 @@ def _bias_index(shape, b, n, i, j):
     return (b if shape[0] > 1 else 0, n if shape[1] > 1 else 0, i if shape[2] > 1 else 0, j)
 
 
-def cpu_attention_kernel(spec: AttentionSpec, target: Target, tiles: CpuTiles | None = None):
-    """The scheduled CPU PrimFunc ``(q, k, v, *biases, out)`` computing ``spec``."""
+def cpu_attention_kernel(
+    spec: AttentionSpec, target: Target, tiles: CpuTiles | None = None, views: tuple = (None, None, None)
+):
+    """The scheduled CPU PrimFunc ``(q, k, v, *biases, out)`` computing ``spec``; an input with a
+    :class:`ColumnView` in ``views`` is the packed projection it is a columns slice of."""
     tiles = tiles or cpu_tiles(spec, target)
     B, N, Sq, Skv = spec.batch, spec.heads, spec.seq_q, spec.seq_kv
     D, Dv, dtype = spec.head_dim, spec.head_dim_v, spec.dtype
@@ -309,6 +313,13 @@ def cpu_attention_kernel(spec: AttentionSpec, target: Target, tiles: CpuTiles | 
 
     def pack_shape(k):
         return packed_shapes[k] if k < n_bias and packed[k] else (1,)
+
+    def read_input(buf, which, b, s, n, d):
+        """Q, K or V at (batch, seq, head, dim): BSNH, or columns of a packed projection."""
+        view = views[which]
+        if view is None:
+            return buf[b, s, n, d]
+        return buf[tuple(view.index(b * (Sq if which == 0 else Skv) + s, n * (Dv if which == 2 else D) + d))]
 
     scale, neg_inf, lowest, zero = _f32(spec.scale), _f32(-math.inf), _f32(FLOAT32_LOWEST), _f32(0.0)
 
@@ -445,14 +456,14 @@ def cpu_attention_kernel(spec: AttentionSpec, target: Target, tiles: CpuTiles | 
                 T.reads()
                 T.writes()
                 for i, d in T.grid(Sq, D):
-                    q_t[bn // N, bn % N, i // Tq, d, i % Tq] = q[bn // N, i, bn % N, d]
+                    q_t[bn // N, bn % N, i // Tq, d, i % Tq] = read_input(q, 0, bn // N, i, bn % N, d)
                 for i, d in T.grid(Sq_pad - Sq, D):
                     q_t[bn // N, bn % N, (Sq + i) // Tq, d, (Sq + i) % Tq] = zero
                 for j in range(Skv):
                     for d in T.vectorized(D):
-                        k_p[bn // N, bn % N, j, d] = k[bn // N, j, bn % N, d]
+                        k_p[bn // N, bn % N, j, d] = read_input(k, 1, bn // N, j, bn % N, d)
                     for d in T.vectorized(Dv):
-                        v_p[bn // N, bn % N, j, d] = v[bn // N, j, bn % N, d]
+                        v_p[bn // N, bn % N, j, d] = read_input(v, 2, bn // N, j, bn % N, d)
                 for j in range(Skv_pad - Skv):
                     for d in T.vectorized(D):
                         k_p[bn // N, bn % N, Skv + j, d] = zero
@@ -521,14 +532,16 @@ def cpu_attention_kernel(spec: AttentionSpec, target: Target, tiles: CpuTiles | 
                         for d in T.vectorized(Dv):
                             out[b, q0 + i, n, d] = finish(acc[i, d] / l_sum[i])
 
-    return _wrap(spec, body, "cpu")
+    return _wrap(spec, body, "cpu", views)
 
 
-def _wrap(spec: AttentionSpec, body, kind: str):
+def _wrap(spec: AttentionSpec, body, kind: str, views: tuple = (None, None, None)):
     """The PrimFunc around ``body`` with one parameter per bias (TVMScript signatures are fixed)."""
     B, N, Sq, Skv, D, Dv, dtype = (spec.batch, spec.heads, spec.seq_q, spec.seq_kv, spec.head_dim,
                                    spec.head_dim_v, spec.dtype)  # fmt: skip
-    q_shape, k_shape, v_shape, o_shape = (B, Sq, N, D), (B, Skv, N, D), (B, Skv, N, Dv), (B, Sq, N, Dv)
+    bsnh = [(B, Sq, N, D), (B, Skv, N, D), (B, Skv, N, Dv)]
+    q_shape, k_shape, v_shape = (s if view is None else view.shape for s, view in zip(bsnh, views))
+    o_shape = (B, Sq, N, Dv)
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True, SPEC_ATTR: spec.to_json()}
     bias_shapes = spec.bias_shapes
     if len(bias_shapes) == 0:
@@ -733,13 +746,16 @@ def cuda_attention_kernel(spec: AttentionSpec, target: Target | None = None, emu
     return _wrap(spec, body, "cuda")
 
 
-def attention_kernel(spec: AttentionSpec, target: Target):
-    """The fused kernel for ``spec`` on ``target``, or None when there is none."""
+def attention_kernel(spec: AttentionSpec, target: Target, views: tuple = (None, None, None)):
+    """The fused kernel for ``spec`` on ``target``, or None when there is none. ``views``: the
+    inputs read from packed projections (CPU only; see ``attention_inputs``)."""
     if spec.dtype != "float32" or len(spec.bias_shapes) > MAX_BIASES:
         return None
     kind = target.kind.name
     if kind == "llvm":
-        return cpu_attention_kernel(spec, target)
+        return cpu_attention_kernel(spec, target, views=views)
+    if any(views):
+        raise ValueError(f"packed attention inputs are read by the CPU kernel only, not on {kind}")
     if kind == "cuda":
         return cuda_attention_kernel(spec, target)
     return None
@@ -799,15 +815,20 @@ class LowerAttention:
 
 def _lower_calls(func, mod, builder, target):
     replace = {}
+    packed = PackedInputs(mod, func) if target.kind.name == "llvm" else None
     for block in func.body.blocks:
         for binding in block.bindings:
-            lowered = _lower(binding, mod, builder, target) if isinstance(binding, relax.VarBinding) else None
+            lowered = (
+                _lower(binding, mod, builder, target, packed)
+                if isinstance(binding, relax.VarBinding)
+                else None
+            )
             if lowered is not None:
                 replace[binding.var] = lowered
     return with_bindings(func, replace) if replace else None
 
 
-def _lower(binding, mod, builder, target):
+def _lower(binding, mod, builder, target, packed):
     call = binding.value
     if not isinstance(call, relax.Call):
         return None
@@ -822,7 +843,16 @@ def _lower(binding, mod, builder, target):
         return None
     if spec is None:
         return None
-    kernel = attention_kernel(spec, target)
+    views = [None, None, None]
+    if packed is not None:  # Q, K, V read from the projections they were cut from (no copies)
+        shapes = [(spec.batch, spec.seq_q, spec.heads, spec.head_dim),
+                  (spec.batch, spec.seq_kv, spec.heads, spec.head_dim),
+                  (spec.batch, spec.seq_kv, spec.heads, spec.head_dim_v)]  # fmt: skip
+        for i, shape in enumerate(shapes):
+            found = packed.column_view(args[i], shape)
+            if found is not None:
+                args[i], views[i] = found
+    kernel = attention_kernel(spec, target, tuple(views))
     if kernel is None:
         return None
     gvar = builder.add_func(kernel, KERNEL_NAME)
