@@ -29,6 +29,7 @@ from tvm_fusion.schedules.attention import (
     pv_vector_width,
     tile_work,
 )
+from tvm_fusion.schedules.attention_inputs import ColumnView, PackedInputs
 from tvm_fusion.targets import llvm_target
 
 SEQ = 77  # odd, and no other dim of the test models equals it
@@ -313,8 +314,28 @@ def test_attention_reads_slices_of_a_sequence_first_projection():
     lowered = tvm_fusion.optimize(mod, "llvm")
     assert not [c for c in kernel_calls(lowered) if "slice" in c]
     kernel = next(f for gv, f in lowered.functions.items() if gv.name_hint.startswith("flash_attention"))
-    assert [[int(d) for d in b.shape] for b in kernel.params[:3]] == [[seq, 1, 3 * width]] * 3
+    assert [[int(x) for x in b.shape] for b in kernel.params[:3]] == [[seq, 1, 3 * width]] * 3
     assert rel_err(run_relax(lowered, feeds), run_relax(mod, feeds)) <= 1e-4
+
+
+def test_packed_input_columns_of_uneven_splits_and_negative_slices():
+    """The columns come from the cut's own output: an even split of 11 columns into 4 is
+    3, 3, 3, 2 wide (TVM rounds up); a slice may count from the end on axis -1."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 7, 11), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            parts = bb.emit(relax.op.split(x, 4, axis=-1))
+            last = bb.emit(relax.op.reshape(bb.emit(relax.TupleGetItem(parts, 3)), (1, 7, 1, 2)))
+            tail = bb.emit(relax.op.reshape(relax.op.strided_slice(x, [-1], [-4], [11]), (1, 7, 2, 2)))
+            bb.emit_output(relax.Tuple([last, tail]))
+        bb.emit_func_output(relax.Tuple([last, tail]))
+    mod = bb.get()
+    inputs = PackedInputs(mod, mod["main"].body.blocks[0])
+    assert inputs.column_view(last, (1, 7, 1, 2)) == (x, ColumnView((1, 7, 11), 9))
+    assert inputs.column_view(tail, (1, 7, 2, 2)) == (x, ColumnView((1, 7, 11), 7))
+    assert inputs.column_view(tail, (1, 7, 1, 4)) == (x, ColumnView((1, 7, 11), 7))
+    assert inputs.column_view(x, (1, 7, 1, 11)) is None  # no cut: nothing to save
 
 
 # -- the kernels ----------------------------------------------------------------------------------

@@ -52,6 +52,24 @@ def int_values(expr) -> list[int]:
     return [int(getattr(v, "value", v)) for v in fields]  # IntImm, or a PrimValue holding one
 
 
+def static_slice(call: relax.Call) -> tuple[int, int, int] | None:
+    """``(axis, start, stop)`` of a static, one-axis, stride-1 ``strided_slice`` (axis and a
+    negative start normalised, the stop from the output's extent), or None."""
+    shape, out = static_shape(call.args[0]), static_shape(call)
+    if shape is None or out is None or len(call.args) < 4:
+        return None
+    try:
+        axes, begin = int_values(call.args[1]), int_values(call.args[2])
+        strides = int_values(call.args[4]) if len(call.args) > 4 and call.args[4] is not None else [1]
+    except (TypeError, ValueError, AttributeError):  # run-time bounds
+        return None
+    if len(axes) != 1 or set(strides) != {1}:
+        return None
+    axis = axes[0] % len(shape)
+    start = min(max(begin[0] + shape[axis] if begin[0] < 0 else begin[0], 0), shape[axis])
+    return axis, start, start + out[axis]
+
+
 def is_float_dtype(dtype) -> bool:
     """float16/32/64 or bfloat16 (``np.dtype`` does not know bfloat16)."""
     return str(dtype).startswith(("float", "bfloat"))

@@ -31,10 +31,10 @@ from ..ir import (
     UseCountingMutator,
     count_uses,
     graph_functions,
-    int_values,
     op_calls,
     op_name,
     static_shape,
+    static_slice,
     tensor_type,
     with_functions,
 )
@@ -92,19 +92,11 @@ def _take_rows(take: relax.Call) -> _Rows | None:
 
 def _slice_rows(call: relax.Call) -> _Rows | None:
     """The rows a static, one-axis, stride-1 ``strided_slice`` keeps, if fewer than its input has."""
-    shape, out = static_shape(call.args[0]), static_shape(call)
-    if shape is None or out is None or len(call.args) < 4:
+    bounds = static_slice(call)
+    if bounds is None:
         return None
-    try:
-        axes, begin = int_values(call.args[1]), int_values(call.args[2])
-        strides = int_values(call.args[4]) if len(call.args) > 4 and call.args[4] is not None else [1]
-    except (TypeError, ValueError, AttributeError):  # run-time bounds
-        return None
-    if len(axes) != 1 or set(strides) != {1}:
-        return None
-    axis = axes[0] % len(shape)
-    start = min(max(begin[0] + shape[axis] if begin[0] < 0 else begin[0], 0), shape[axis])
-    return _Rows(axis, start, start + out[axis]) if 0 < out[axis] < shape[axis] else None
+    axis, start, stop = bounds
+    return _Rows(axis, start, stop) if 0 < stop - start < static_shape(call.args[0])[axis] else None
 
 
 def _rows_kept(call: relax.Call) -> _Rows | None:

@@ -815,8 +815,8 @@ class LowerAttention:
 
 def _lower_calls(func, mod, builder, target):
     replace = {}
-    packed = PackedInputs(mod, func) if target.kind.name == "llvm" else None
     for block in func.body.blocks:
+        packed = PackedInputs(mod, block) if target.kind.name == "llvm" else None
         for binding in block.bindings:
             lowered = (
                 _lower(binding, mod, builder, target, packed)

@@ -5,10 +5,11 @@ projections (GPT-2's ``c_attn``, ViT's ``in_proj``) are one to begin with; a ``s
 ``strided_slice`` s) along the last axis then copies each third out, and reshapes make it
 ``(batch, seq, heads, head_dim)``. That copy is a kernel per layer which writes and reads the
 whole projection once more (about 1 % of BERT). The CPU attention kernel repacks its inputs
-per head anyway, so it can read them from the projection directly: :func:`column_view` finds,
-for an attention input, the tensor it was cut from and the columns it holds, looking through
-reshapes (which keep row-major order), ``split`` / ``strided_slice`` along the last axis, and
-the Primitive functions the fusion policy made of such ops.
+per head anyway, so it can read them from the projection directly:
+:meth:`PackedInputs.column_view` finds, for an attention input, the tensor it was cut from and
+the columns it holds, looking through reshapes (which keep row-major order), ``split`` /
+``strided_slice`` along the last axis, and the Primitive functions the fusion policy made of
+such ops.
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ import math
 import tvm
 from tvm import relax
 
-from ..ir import int_values, is_primitive, op_name, static_shape
+from ..ir import is_primitive, op_name, static_shape, static_slice
 
-_RESHAPES = {"relax.reshape"}
+_MAX_DEPTH = 16  # producers walked per input (a few reshapes and one cut in practice)
 
 
 @dataclasses.dataclass(frozen=True)
 class ColumnView:
     """An attention input ``(B, S, N, D)`` read as columns ``[offset, offset + N*D)`` of a tensor
-    of ``shape`` whose rows (all but the last axis, row-major) are the ``B*S`` tokens: ``(B, S,
-    width)``, or ``(S, B, width)`` with ``B == 1`` (a ViT's ``in_proj`` output)."""
+    of ``shape`` whose leading axes hold ``B*S`` rows. A reshape keeps row-major order, so token
+    ``(b, s)`` is row ``b*S + s`` of the cut whatever the leading axes are: ``(B, S)``, or
+    ``(S, 1)`` for a ViT's sequence-first ``in_proj`` output."""
 
     shape: tuple[int, ...]
     offset: int
@@ -50,11 +52,13 @@ class _Cut:
 
 
 class PackedInputs:
-    """Finds the packed projections the attention inputs of ``func`` were cut from."""
+    """Finds the packed projections that attention inputs bound in ``block`` were cut from.
 
-    def __init__(self, mod: tvm.IRModule, func: relax.Function):
+    Only bindings of that block are walked, so a source found is in scope at the attention."""
+
+    def __init__(self, mod: tvm.IRModule, block: relax.BindingBlock):
         self.mod = mod
-        self.values = _bindings(func)
+        self.values = _bindings([block])
 
     def column_view(self, expr, shape: tuple[int, ...]) -> tuple[relax.Expr, ColumnView] | None:
         """``(source, view)`` when ``expr`` (of static ``shape`` ``(B, S, N, D)``) is a row-major
@@ -69,17 +73,8 @@ class PackedInputs:
         return cut.source, ColumnView(tuple(int(x) for x in source_shape), cut.offset)
 
 
-def _bindings(func: relax.Function) -> dict:
-    values = {}
-    if isinstance(func.body, relax.SeqExpr):
-        for block in func.body.blocks:
-            for binding in block.bindings:
-                if isinstance(binding, relax.VarBinding):
-                    values[binding.var] = binding.value
-    return values
-
-
-_MAX_DEPTH = 16  # producers walked per input (a few reshapes and one cut in practice)
+def _bindings(blocks) -> dict:
+    return {b.var: b.value for block in blocks for b in block.bindings if isinstance(b, relax.VarBinding)}
 
 
 def _cut(expr, values: dict, mod, depth: int) -> _Cut | None:
@@ -89,23 +84,23 @@ def _cut(expr, values: dict, mod, depth: int) -> _Cut | None:
         return None
     value = values[expr]
     name = op_name(value)
-    if name in _RESHAPES:
+    if name == "relax.reshape":
         return _cut(value.args[0], values, mod, depth + 1)
     if name == "relax.strided_slice":
         return _slice_cut(value)
     if isinstance(value, relax.TupleGetItem):
         return _split_cut(values.get(value.tuple_value), int(value.index))
     if isinstance(value, relax.Call) and isinstance(value.op, relax.GlobalVar) and value.op in mod.functions:
-        return _cut_in_function(mod[value.op], list(value.args), values, mod, depth)
+        return _cut_in_function(mod[value.op], list(value.args), mod, depth)
     return None
 
 
-def _cut_in_function(func, args, outer: dict, mod, depth: int) -> _Cut | None:
+def _cut_in_function(func, args, mod, depth: int) -> _Cut | None:
     """A Primitive function's result traced to a cut; a cut of a parameter is a cut of the
-    caller's argument."""
+    caller's argument (a cut of anything the function computes is no view of the caller's)."""
     if not is_primitive(func) or not isinstance(func.body, relax.SeqExpr):
         return None
-    cut = _cut(func.body.body, _bindings(func), mod, depth + 1)
+    cut = _cut(func.body.body, _bindings(func.body.blocks), mod, depth + 1)
     if cut is None or cut.source not in func.params:
         return None
     arg = args[list(func.params).index(cut.source)]
@@ -115,35 +110,28 @@ def _cut_in_function(func, args, outer: dict, mod, depth: int) -> _Cut | None:
 
 
 def _slice_cut(call: relax.Call) -> _Cut | None:
-    shape, out = static_shape(call.args[0]), static_shape(call)
-    if shape is None or out is None or len(call.args) < 4:
+    bounds = static_slice(call)
+    if bounds is None or bounds[0] != len(static_shape(call.args[0])) - 1:
         return None
-    try:
-        axes, begin = int_values(call.args[1]), int_values(call.args[2])
-        strides = int_values(call.args[4]) if len(call.args) > 4 and call.args[4] is not None else [1]
-    except (TypeError, ValueError, AttributeError):  # run-time bounds
-        return None
-    if axes != [len(shape) - 1] and axes != [-1] or set(strides) != {1}:
-        return None
-    start = begin[0] + shape[-1] if begin[0] < 0 else begin[0]
-    if not 0 <= start <= shape[-1] - out[-1]:
-        return None
-    return _Cut(call.args[0], start, out[-1])
+    _axis, start, stop = bounds
+    return _Cut(call.args[0], start, stop - start)
 
 
 def _split_cut(call, index: int) -> _Cut | None:
+    """Field ``index`` of a last-axis ``split``: its columns from the fields' own widths (TVM
+    rounds an even split's sections up and shortens the last)."""
     if op_name(call) != "relax.split":
         return None
     shape = static_shape(call.args[0])
     if shape is None or int(call.attrs.axis) % len(shape) != len(shape) - 1:
         return None
-    sections = call.attrs.indices_or_sections
-    width = shape[-1]
-    if isinstance(sections, tvm.tirx.IntImm | int):
-        step = width // int(sections)
-        bounds = list(range(0, width + 1, step))
-    else:
-        bounds = [0, *(int(i) for i in sections), width]
-    if index + 1 >= len(bounds):
+    fields = getattr(call.ty, "fields", None)
+    if fields is None or index >= len(fields):
         return None
-    return _Cut(call.args[0], bounds[index], bounds[index + 1] - bounds[index])
+    widths = []
+    for field in fields:
+        dims = getattr(field, "shape", None)
+        if not isinstance(dims, relax.ShapeExpr) or not isinstance(dims.values[-1], tvm.tirx.IntImm):
+            return None
+        widths.append(int(dims.values[-1]))
+    return _Cut(call.args[0], sum(widths[:index]), widths[index])
