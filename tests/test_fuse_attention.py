@@ -338,6 +338,26 @@ def test_packed_input_columns_of_uneven_splits_and_negative_slices():
     assert inputs.column_view(x, (1, 7, 1, 11)) is None  # no cut: nothing to save
 
 
+def test_packed_input_through_a_transpose_and_back():
+    """GPT-2's TorchScript export moves K to (B, N, S, D), appends an empty past (a one-input
+    concat) and moves it back: still columns of the projection; a transpose not undone is not."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 7, 12), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            k = bb.emit(relax.op.reshape(relax.op.strided_slice(x, [2], [4], [8]), (1, 7, 2, 2)))
+            heads_first = bb.emit(relax.op.permute_dims(k, [0, 2, 1, 3]))
+            past = bb.emit(relax.op.concat([heads_first], axis=-2))
+            back = bb.emit(relax.op.permute_dims(past, [0, 2, 1, 3]))
+            swapped = bb.emit(relax.op.permute_dims(past, [0, 2, 3, 1]))
+            bb.emit_output(relax.Tuple([back, swapped]))
+        bb.emit_func_output(relax.Tuple([back, swapped]))
+    mod = bb.get()
+    inputs = PackedInputs(mod, mod["main"].body.blocks[0])
+    assert inputs.column_view(back, (1, 7, 2, 2)) == (x, ColumnView((1, 7, 12), 4))
+    assert inputs.column_view(swapped, (1, 2, 2, 7)) is None
+
+
 # -- the kernels ----------------------------------------------------------------------------------
 def _reference(q, k, v, biases, spec: AttentionSpec):
     qh, kh, vh = (x.transpose(0, 2, 1, 3) for x in (q, k, v))

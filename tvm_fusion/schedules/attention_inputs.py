@@ -7,9 +7,9 @@ projections (GPT-2's ``c_attn``, ViT's ``in_proj``) are one to begin with; a ``s
 whole projection once more (about 1 % of BERT). The CPU attention kernel repacks its inputs
 per head anyway, so it can read them from the projection directly:
 :meth:`PackedInputs.column_view` finds, for an attention input, the tensor it was cut from and
-the columns it holds, looking through reshapes (which keep row-major order), ``split`` /
-``strided_slice`` along the last axis, and the Primitive functions the fusion policy made of
-such ops.
+the columns it holds, looking through reshapes (which keep row-major order), transposes that
+are undone again, ``split`` / ``strided_slice`` along the last axis, and the Primitive
+functions the fusion policy made of such ops.
 """
 
 from __future__ import annotations
@@ -77,36 +77,72 @@ def _bindings(blocks) -> dict:
     return {b.var: b.value for block in blocks for b in block.bindings if isinstance(b, relax.VarBinding)}
 
 
-def _cut(expr, values: dict, mod, depth: int) -> _Cut | None:
+def _cut(expr, values: dict, mod, depth: int, caller: tuple | None = None) -> _Cut | None:
     """The last-axis cut ``expr`` is a reshaped view of, walking through reshapes (and into the
-    Primitive functions that hold them)."""
-    if depth > _MAX_DEPTH or not isinstance(expr, relax.Var) or expr not in values:
+    Primitive functions that hold them: ``caller`` is ``(params -> args, the caller's values)``
+    inside one)."""
+    if depth > _MAX_DEPTH or not isinstance(expr, relax.Var):
+        return None
+    if caller is not None and expr in caller[0]:  # a parameter: go on with the caller's argument
+        return _cut(caller[0][expr], caller[1], mod, depth + 1)
+    if expr not in values:
         return None
     value = values[expr]
     name = op_name(value)
     if name == "relax.reshape":
-        return _cut(value.args[0], values, mod, depth + 1)
+        return _cut(value.args[0], values, mod, depth + 1, caller)
+    if name == "relax.permute_dims":
+        undone = _undone_permute(value, values)
+        return None if undone is None else _cut(undone, values, mod, depth + 1, caller)
     if name == "relax.strided_slice":
         return _slice_cut(value)
     if isinstance(value, relax.TupleGetItem):
         return _split_cut(values.get(value.tuple_value), int(value.index))
-    if isinstance(value, relax.Call) and isinstance(value.op, relax.GlobalVar) and value.op in mod.functions:
-        return _cut_in_function(mod[value.op], list(value.args), mod, depth)
+    if caller is None and isinstance(value, relax.Call) and isinstance(value.op, relax.GlobalVar):
+        return _cut_in_function(mod.functions.get(value.op), list(value.args), values, mod, depth)
     return None
 
 
-def _cut_in_function(func, args, mod, depth: int) -> _Cut | None:
-    """A Primitive function's result traced to a cut; a cut of a parameter is a cut of the
-    caller's argument (a cut of anything the function computes is no view of the caller's)."""
+def _undone_permute(call: relax.Call, values: dict):
+    """``x`` when ``call`` permutes back a permute of ``x`` (through one-input concats): GPT-2's
+    TorchScript export moves K and V to (B, N, S, D), appends an empty past and moves them back."""
+    inner = call.args[0]
+    while isinstance(inner, relax.Var) and op_name(values.get(inner)) == "relax.concat":
+        fields = values[inner].args[0]
+        if not isinstance(fields, relax.Tuple) or len(fields.fields) != 1:
+            return None
+        inner = fields.fields[0]
+    first = values.get(inner) if isinstance(inner, relax.Var) else None
+    if op_name(first) != "relax.permute_dims":
+        return None
+    rank = len(static_shape(call) or ())
+    outer_axes, inner_axes = _axes(call, rank), _axes(first, rank)
+    if not rank or [inner_axes[a] for a in outer_axes] != list(range(rank)):
+        return None
+    return first.args[0]
+
+
+def _axes(call: relax.Call, rank: int) -> list[int]:
+    axes = call.attrs.axes
+    return list(reversed(range(rank))) if axes is None else [int(a) % rank for a in axes]
+
+
+def _cut_in_function(func, args, values: dict, mod, depth: int) -> _Cut | None:
+    """A Primitive function's result traced to a cut, inside it or (through a parameter) in the
+    caller; a cut of a parameter is a cut of the caller's argument, a cut of anything the
+    function computes is no view of the caller's."""
     if not is_primitive(func) or not isinstance(func.body, relax.SeqExpr):
         return None
-    cut = _cut(func.body.body, _bindings(func.body.blocks), mod, depth + 1)
-    if cut is None or cut.source not in func.params:
+    inner = _bindings(func.body.blocks)
+    cut = _cut(func.body.body, inner, mod, depth + 1, (dict(zip(func.params, args)), values))
+    if cut is None or cut.source in inner:
         return None
-    arg = args[list(func.params).index(cut.source)]
-    if not isinstance(arg, relax.Var):  # a constant: nothing to save
-        return None
-    return _Cut(arg, cut.offset, cut.columns)
+    if cut.source in func.params:
+        arg = args[list(func.params).index(cut.source)]
+        if not isinstance(arg, relax.Var):  # a constant: nothing to save
+            return None
+        return _Cut(arg, cut.offset, cut.columns)
+    return cut
 
 
 def _slice_cut(call: relax.Call) -> _Cut | None:
