@@ -370,3 +370,26 @@ def test_moving_stats_outputs_become_the_constants():
     v2v = relax.analysis.get_var2val(ours["main"])
     ret = [v for v in v2v.values() if isinstance(v, relax.Tuple)][0]
     np.testing.assert_array_equal(_const_np(v2v[ret.fields[1]]), mean)
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.125), np.linspace(0.5, 2.0, 6, dtype=np.float32)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_scale_after_linear_folds_into_its_weights(scale, bias):
+    """OPT/BART's ``q_proj(h) * scaling``: a constant scale (scalar or per feature) after a
+    linear becomes part of its weight and bias; a scale whose input has another reader stays."""
+
+    def build(shared: bool):
+        g = GraphBuilder("scaled_linear", seed=0)
+        y = g.linear(g.input("input", (3, 5, 8)), 8, 6, bias=bias)
+        out = [g.op("Mul", [y, g.const("scale", scale)])]
+        return g.finish(out + ([g.op("Relu", [y])] if shared else []))
+
+    for shared in (False, True):
+        model = build(shared)
+        mod = _import(model)
+        ours = relax.transform.FoldConstant()(FoldBatchNorm()(mod))
+        assert _n(ours, "multiply") == (1 if shared else 0)
+        assert _n(ours, "matmul") == 1
+        feeds = models.random_inputs(model)
+        for got, want in zip(run_outputs(ours, list(feeds.values())), ort_outputs(model, feeds)):
+            assert np.abs(got - want).max() <= TOL

@@ -26,6 +26,10 @@ Runs on high-level Relax (before ``LegalizeOps``), e.g. straight after ONNX impo
    ``(x-mean)/sqrt(var+eps)*gamma+beta`` per element; the affine form is two cheap broadcast ops
    that ``FuseOps`` fuses into the producer's epilogue.
 
+A ``multiply`` by a constant per last-axis feature (a scalar included) after a constant-weight
+``matmul`` (+ bias) is the same affine map with ``t = 0`` and folds into it by step 1 (OPT's and
+BART's ``q_proj(h) * scaling``); a multiply that does not fold stays.
+
 Multi-consumer safety: we never duplicate a producer. If the conv/matmul output (or its bias add)
 has any consumer besides the batch norm, step 1 is skipped and the BN is lowered by step 3 instead,
 so other consumers keep reading the original, untouched producer. Duplicating would pay a whole
@@ -54,6 +58,8 @@ _ADD = "relax.add"
 _RESHAPE = "relax.reshape"
 _PERMUTE = "relax.permute_dims"
 _ASTYPE = "relax.astype"
+_MULTIPLY = "relax.multiply"
+_MAX_ROUNDS = 16
 
 
 @tvm.transform.module_pass(opt_level=0, name="FoldBatchNorm")
@@ -82,26 +88,21 @@ class FoldBatchNorm:
 # -- driver -----------------------------------------------------------------------------------
 def _fold_function(func: relax.Function, lower_unfoldable: bool) -> relax.Function:
     """Plan non-conflicting rewrites, apply them, drop the dead BNs; repeat (chains like
-    BN -> conv -> BN need a second round, because one round never looks through a rewritten var)."""
-    n_bn = _count_bn(func)
-    while n_bn:
+    BN -> conv -> BN need a second round, because one round never looks through a rewritten var).
+    Every round that plans anything removes a BN or a constant scale, so the rounds end; the cap
+    only guards against a planner bug."""
+    for _ in range(_MAX_ROUNDS):
+        if not _has_candidates(func):
+            break
         plans = _Planner(func, lower_unfoldable).plan()
         if not plans:
             break
         func = relax.analysis.remove_all_unused(_Rewriter(plans).visit_expr(func))
-        new_n = _count_bn(func)
-        if new_n >= n_bn:  # no progress (should not happen): stop rather than loop
-            break
-        n_bn = new_n
     return func  # the same object when nothing was planned
 
 
-def _count_bn(func: relax.Function) -> int:
-    return sum(
-        1
-        for val in relax.analysis.get_var2val(func).values()
-        if isinstance(val, relax.Call) and op_name(val) == _BN
-    )
+def _has_candidates(func: relax.Function) -> bool:
+    return any(op_name(val) in (_BN, _MULTIPLY) for val in relax.analysis.get_var2val(func).values())
 
 
 @relax.expr_functor.mutator
@@ -248,9 +249,37 @@ class _Planner:
     # -- planning -------------------------------------------------------------------------
     def plan(self) -> dict:
         for binding in self.dataflow_bindings:
-            if isinstance(binding, relax.VarBinding) and op_name(binding.value) == _BN:
+            if not isinstance(binding, relax.VarBinding):
+                continue
+            if op_name(binding.value) == _BN:
                 self._plan_bn(binding.var, binding.value)
+            elif op_name(binding.value) == _MULTIPLY:
+                self._plan_scale(binding.var, binding.value)
         return self.plans
+
+    def _plan_scale(self, y, mul) -> None:
+        """``y = x * c``, ``c`` constant per last-axis feature (a scalar included), folded into
+        the constant-weight matmul (+ bias) that computes ``x``: OPT's and BART's
+        ``q_proj(h) * scaling``, which otherwise stays a copy kernel between the Q/K/V GEMM and
+        the attention. Only that fold (step 1); any other multiply is left as it is."""
+        if y in self.replaced or y in self.looked:
+            return
+        for x, c in ((mul.args[0], mul.args[1]), (mul.args[1], mul.args[0])):
+            if not isinstance(x, relax.Var) or self._touches_replaced(x):
+                continue
+            shape, dtype = named_shape(x), dtype_of(x)
+            if (
+                shape is None
+                or not _is_float(dtype)
+                or named_shape(y) != shape
+                or not isinstance(shape[-1], int)
+            ):
+                continue
+            s = self.channel_vector(c, shape, len(shape) - 1)
+            if s is not None and self._fold_into_producer(
+                y, y, x, len(shape) - 1, shape, dtype, s, np.zeros_like(s)
+            ):
+                return
 
     def _plan_bn(self, bn_var, bn) -> None:
         attrs = bn.attrs
