@@ -221,7 +221,7 @@ def test_min_branches():
         HorizontalFuse(min_branches=1)
 
 
-def test_bias_not_carried_when_a_branch_lacks_it_or_result_is_reused():
+def test_bias_carried_with_zeros_for_a_branch_without_one_or_whose_result_is_reused():
     x = tvar("x", (2, 8))
     ws = [rand(8, n, seed=n) for n in (3, 4, 5)]
     bs = [rand(n, seed=10 + n) for n in (3, 4, 5)]
@@ -236,7 +236,7 @@ def test_bias_not_carried_when_a_branch_lacks_it_or_result_is_reused():
     after = HorizontalFuse()(mod)
     assert relax.analysis.check_well_formed(after)
     assert count_op(after, "relax.matmul") == 1
-    assert count_op(after, "relax.add") == 2  # original adds kept after the split
+    assert count_op(after, "relax.add") == 1  # [b0, b1, 0] added once, before the split
     xv = rand(2, 8, seed=99)
     ref = [xv @ ws[0] + bs[0], xv @ ws[1] + bs[1], xv @ ws[2]]
     assert max_err(run(after, xv), ref) < 1e-5
@@ -247,7 +247,17 @@ def test_bias_not_carried_when_a_branch_lacks_it_or_result_is_reused():
         return [a[0], a[1], bb.emit(relax.op.nn.relu(m[0]))]  # m[0] also read elsewhere
 
     after = HorizontalFuse()(build([x], body_reuse))
+    # branch 1's bias is carried ([0, b1]); branch 0's add stays after the split (m[0] is read
+    # by the relu too)
     assert count_op(after, "relax.matmul") == 1 and count_op(after, "relax.add") == 2
+    ref = [xv @ ws[0] + bs[0], xv @ ws[1] + bs[1], np.maximum(xv @ ws[0], 0)]
+    assert max_err(run(after, xv), ref) < 1e-5
+
+    def body_none(bb, x):
+        return [bb.emit(relax.op.matmul(x, relax.const(w))) for w in ws]
+
+    after = HorizontalFuse()(build([x], body_none))
+    assert count_op(after, "relax.matmul") == 1 and count_op(after, "relax.add") == 0
 
 
 def test_commuted_bias_and_output_var_member_carried():

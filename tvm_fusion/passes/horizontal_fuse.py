@@ -19,10 +19,11 @@ What it rewrites (every group needs >= ``min_branches`` members, same dataflow b
 * **conv2d**: same ``x``, constant weights, identical strides/padding/dilation/layouts/
   out_dtype, ``groups == 1``, same in-channels and kernel size -> one conv2d with weights
   concatenated on the kernel's ``O`` axis -> ``split`` on the output's ``C`` axis.
-* **bias carrying** (both of the above): if *every* member's result is used only by an
-  ``add`` with a constant whose broadcast does not change the output shape, the biases are
-  concatenated and added once before the split (exact same math). Otherwise the matmuls/convs
-  are still merged and the existing adds stay after the split.
+* **bias carrying** (both of the above): members whose result is used only by an ``add``
+  with a constant whose broadcast does not change the output shape have their biases
+  concatenated (zeros for the other members: Whisper's bias-free K between a biased Q and V)
+  and added once before the split (exact same math). Without any such member the
+  matmuls/convs are still merged and the existing adds stay after the split.
 * **activation carrying**: if then every member's result feeds exactly one identical unary
   elementwise op (relu, gelu, sigmoid, clip, ...), it is applied once before the split too, so
   conv+bias+relu branches stay one kernel (without this each branch's relu would become its
@@ -202,7 +203,7 @@ class _Group:
     carry_act: bool = False
 
     def _pre_act_vars(self):
-        return [b.add_var if self.carry_bias else b.call_var for b in self.branches]
+        return [b.add_var if self.carry_bias and b.add_var is not None else b.call_var for b in self.branches]
 
     def out_vars(self):
         return [b.act_var for b in self.branches] if self.carry_act else self._pre_act_vars()
@@ -210,7 +211,7 @@ class _Group:
     def dropped_vars(self):
         out = [b.call_var for b in self.branches]
         if self.carry_bias:
-            out += [b.add_var for b in self.branches]
+            out += [b.add_var for b in self.branches if b.add_var is not None]
         if self.carry_act:
             out += [b.act_var for b in self.branches]
         return out
@@ -346,40 +347,57 @@ class _Planner:
 
     # bias -----------------------------------------------------------------------------------
     def _bias_all(self, bi, group) -> bool:
-        """True when every branch's result feeds exactly one ``add`` with a compatible constant."""
+        """True when some branch's result feeds exactly one ``add`` with a compatible constant;
+        the others get zero biases (Whisper's K projection has none, its Q and V have one), so
+        no add is left after the split to copy a branch out on its own."""
         others = None
         for br in group.branches:
-            sites = self.uses.get(br.call_var, [])
-            if len(sites) != 1 or sites[0][0] != bi:
-                return False
-            add_binding = self.func.body.blocks[bi].bindings[sites[0][1]]
-            value = add_binding.value
-            if op_name(value) != _ADD or not isinstance(add_binding, relax.VarBinding):
-                return False
-            a, b = value.args
-            other = b if a.same_as(br.call_var) else a if b.same_as(br.call_var) else None
-            if other is None or other.same_as(br.call_var):
-                return False
-            bias = _const_value(other, self.var2val)
-            if bias is None or str(bias.dtype) != dtype_of(br.call_var):
-                return False
-            if shape_dims(add_binding.var) != shape_dims(br.call_var):
-                return False  # the add broadcasts the result: not a plain bias
-            shape = shape_dims(br.call_var)
-            if bias.ndim > len(shape):
-                return False
-            padded = bias.reshape((1,) * (len(shape) - bias.ndim) + bias.shape)
-            if padded.shape[group.split_axis] not in (1, br.width):
-                return False
+            found = self._bias_of(bi, group, br)
+            if found is None:
+                continue
+            add_var, padded = found
             target = list(padded.shape)
             target[group.split_axis] = br.width
             rest = tuple(d for i, d in enumerate(target) if i != group.split_axis)
             if others is not None and rest != others:
                 return False
             others = rest
-            br.add_var = add_binding.var
-            br.bias = np.broadcast_to(padded, target)
+            br.add_var, br.bias = add_var, np.broadcast_to(padded, target)
+        if others is None:
+            return False
+        for br in group.branches:
+            if br.add_var is None:
+                shape = list(others)
+                shape.insert(group.split_axis, br.width)
+                br.bias = np.zeros(shape, dtype_of(br.call_var))
         return True
+
+    def _bias_of(self, bi, group, br):
+        """``(add var, bias padded to the result's rank)`` when the branch's result feeds exactly
+        one ``add`` of a constant that does not broadcast it, else None."""
+        sites = self.uses.get(br.call_var, [])
+        if len(sites) != 1 or sites[0][0] != bi:
+            return None
+        add_binding = self.func.body.blocks[bi].bindings[sites[0][1]]
+        value = add_binding.value
+        if op_name(value) != _ADD or not isinstance(add_binding, relax.VarBinding):
+            return None
+        a, b = value.args
+        other = b if a.same_as(br.call_var) else a if b.same_as(br.call_var) else None
+        if other is None or other.same_as(br.call_var):
+            return None
+        bias = _const_value(other, self.var2val)
+        if bias is None or str(bias.dtype) != dtype_of(br.call_var):
+            return None
+        if shape_dims(add_binding.var) != shape_dims(br.call_var):
+            return None  # the add broadcasts the result: not a plain bias
+        shape = shape_dims(br.call_var)
+        if bias.ndim > len(shape):
+            return None
+        padded = bias.reshape((1,) * (len(shape) - bias.ndim) + bias.shape)
+        if padded.shape[group.split_axis] not in (1, br.width):
+            return None
+        return add_binding.var, padded
 
     def _act_all(self, bi, group) -> bool:
         """True when every branch's result feeds exactly one identical unary elementwise op.
@@ -572,7 +590,7 @@ class HorizontalFuse:
     elementwise_max_numel : per-tensor element limit for the elementwise rewrite.
     max_fused_width : optional cap on a merged op's output width (sum of N / out-channels);
         larger groups are cut into consecutive runs. None (default): no cap.
-    carry_bias : concatenate constant bias adds into the merged op when all members have one.
+    carry_bias : concatenate constant bias adds into the merged op (zeros for members without one).
     carry_activation : also apply an identical unary activation (relu, gelu, ...) once before
         the split when every member's result feeds exactly one such op.
     output_op : how a merged matmul/conv2d result is cut back into branches:
