@@ -355,7 +355,30 @@ def test_packed_input_through_a_transpose_and_back():
     mod = bb.get()
     inputs = PackedInputs(mod, mod["main"].body.blocks[0])
     assert inputs.column_view(back, (1, 7, 2, 2)) == (x, ColumnView((1, 7, 12), 4))
-    assert inputs.column_view(swapped, (1, 2, 2, 7)) is None
+    assert inputs.column_view(swapped, (1, 7, 2, 2)) is None
+
+
+def test_packed_input_through_a_fused_view_function():
+    """A view function the fusion policy made (reshape, transpose and back, as GPT-2's K) is
+    followed into its caller: its parameter is the caller's cut of the projection."""
+    bb = relax.BlockBuilder()
+    p = relax.Var("p", relax.TensorType((1, 7, 4), "float32"))
+    with bb.function("view", [p], attrs={"Primitive": True}, private=True):
+        with bb.dataflow():
+            heads_first = bb.emit(relax.op.permute_dims(relax.op.reshape(p, (1, 7, 2, 2)), [0, 2, 1, 3]))
+            out = bb.emit_output(relax.op.permute_dims(heads_first, [0, 2, 1, 3]))
+        bb.emit_func_output(out)
+    view = bb.get().get_global_var("view")
+    x = relax.Var("x", relax.TensorType((1, 7, 12), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            parts = bb.emit(relax.op.split(x, 3, axis=2))
+            k = bb.emit(relax.Call(view, [bb.emit(relax.TupleGetItem(parts, 1))]))
+            bb.emit_output(k)
+        bb.emit_func_output(k)
+    mod = bb.get()
+    inputs = PackedInputs(mod, mod["main"].body.blocks[0])
+    assert inputs.column_view(k, (1, 7, 2, 2)) == (x, ColumnView((1, 7, 12), 4))
 
 
 # -- the kernels ----------------------------------------------------------------------------------

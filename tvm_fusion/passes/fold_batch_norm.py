@@ -89,8 +89,9 @@ class FoldBatchNorm:
 def _fold_function(func: relax.Function, lower_unfoldable: bool) -> relax.Function:
     """Plan non-conflicting rewrites, apply them, drop the dead BNs; repeat (chains like
     BN -> conv -> BN need a second round, because one round never looks through a rewritten var).
-    Every round that plans anything removes a BN or a constant scale, so the rounds end; the cap
-    only guards against a planner bug."""
+    Every round that plans anything removes a BN or a constant scale, so the rounds end; past
+    ``_MAX_ROUNDS`` (a chain of that many BNs / scales, one folded per round) the rest stays
+    unfolded, which is correct, only slower."""
     for _ in range(_MAX_ROUNDS):
         if not _has_candidates(func):
             break
@@ -102,6 +103,7 @@ def _fold_function(func: relax.Function, lower_unfoldable: bool) -> relax.Functi
 
 
 def _has_candidates(func: relax.Function) -> bool:
+    """A BN or a multiply (a scale to fold, maybe) in ``func``: otherwise no planning at all."""
     return any(op_name(val) in (_BN, _MULTIPLY) for val in relax.analysis.get_var2val(func).values())
 
 

@@ -264,7 +264,7 @@ class _Planner:
                 continue
             kind, split_axis, weight_axis = key[0], key[1], key[2]
             group = _Group(kind, branches, split_axis, weight_axis, lhs=branches[0].call.args[0])
-            group.carry_bias = self.opts["carry_bias"] and self._bias_all(bi, group)
+            group.carry_bias = self.opts["carry_bias"] and self._carry_biases(bi, group)
             group.carry_act = self.opts["carry_activation"] and self._act_all(bi, group)
             group.slice_friendly = all(self._slice_friendly(bi, v) for v in group.out_vars())
             groups.append(group)
@@ -346,7 +346,7 @@ class _Planner:
         return key, _Branch(pi, var, call, weight=w, width=int(w.shape[o_axis]))
 
     # bias -----------------------------------------------------------------------------------
-    def _bias_all(self, bi, group) -> bool:
+    def _carry_biases(self, bi, group) -> bool:
         """True when some branch's result feeds exactly one ``add`` with a compatible constant;
         the others get zero biases (Whisper's K projection has none, its Q and V have one), so
         no add is left after the split to copy a branch out on its own."""
@@ -539,8 +539,6 @@ class _Rewriter(relax.PyExprMutator):
             y = bb.emit(relax.Call(tmpl.op, [x, w], tmpl.attrs, tmpl.ty_args), "hfuse_" + g.kind)
             if g.carry_bias:
                 bias = np.concatenate([br.bias for br in g.branches], axis=g.split_axis)
-                rank = max(br.bias.ndim for br in g.branches)  # drop leading broadcast 1s
-                bias = bias.reshape(bias.shape[bias.ndim - rank :]) if rank < bias.ndim else bias
                 y = bb.emit(relax.op.add(y, relax.const(np.ascontiguousarray(bias))), "hfuse_bias")
             if g.carry_act:
                 act = g.branches[0].act

@@ -116,13 +116,16 @@ def _undone_permute(call: relax.Call, values: dict):
     if op_name(first) != "relax.permute_dims":
         return None
     rank = len(static_shape(call) or ())
+    if not rank:
+        return None
     outer_axes, inner_axes = _axes(call, rank), _axes(first, rank)
-    if not rank or [inner_axes[a] for a in outer_axes] != list(range(rank)):
+    if [inner_axes[a] for a in outer_axes] != list(range(rank)):
         return None
     return first.args[0]
 
 
 def _axes(call: relax.Call, rank: int) -> list[int]:
+    """A ``permute_dims``'s axes (None: reversed, as the op defines it)."""
     axes = call.attrs.axes
     return list(reversed(range(rank))) if axes is None else [int(a) % rank for a in axes]
 
@@ -135,7 +138,8 @@ def _cut_in_function(func, args, values: dict, mod, depth: int) -> _Cut | None:
         return None
     inner = _bindings(func.body.blocks)
     cut = _cut(func.body.body, inner, mod, depth + 1, (dict(zip(func.params, args)), values))
-    if cut is None or cut.source in inner:
+    bound_inside = {b.var for block in func.body.blocks for b in block.bindings}  # MatchCast too
+    if cut is None or not isinstance(cut.source, relax.Var) or cut.source in bound_inside:
         return None
     if cut.source in func.params:
         arg = args[list(func.params).index(cut.source)]
