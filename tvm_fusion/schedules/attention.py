@@ -108,6 +108,12 @@ class AttentionSpec:
         data["causal_fill"] = float(data["causal_fill"])
         return cls(**data)
 
+    @property
+    def input_shapes(self) -> list[tuple[int, int, int, int]]:
+        """Q, K and V's BSNH shapes."""
+        B, N, D = self.batch, self.heads, self.head_dim
+        return [(B, self.seq_q, N, D), (B, self.seq_kv, N, D), (B, self.seq_kv, N, self.head_dim_v)]
+
     def describe(self) -> str:
         parts = [f"scale {self.scale:.6g}"]
         if self.bias_shapes:
@@ -319,7 +325,8 @@ def cpu_attention_kernel(
         view = views[which]
         if view is None:
             return buf[b, s, n, d]
-        return buf[tuple(view.index(b * (Sq if which == 0 else Skv) + s, n * (Dv if which == 2 else D) + d))]
+        _, seq, _, dim = spec.input_shapes[which]
+        return buf[tuple(view.index(b * seq + s, n * dim + d))]
 
     scale, neg_inf, lowest, zero = _f32(spec.scale), _f32(-math.inf), _f32(FLOAT32_LOWEST), _f32(0.0)
 
@@ -537,11 +544,10 @@ def cpu_attention_kernel(
 
 def _wrap(spec: AttentionSpec, body, kind: str, views: tuple = (None, None, None)):
     """The PrimFunc around ``body`` with one parameter per bias (TVMScript signatures are fixed)."""
-    B, N, Sq, Skv, D, Dv, dtype = (spec.batch, spec.heads, spec.seq_q, spec.seq_kv, spec.head_dim,
-                                   spec.head_dim_v, spec.dtype)  # fmt: skip
-    bsnh = [(B, Sq, N, D), (B, Skv, N, D), (B, Skv, N, Dv)]
-    q_shape, k_shape, v_shape = (s if view is None else view.shape for s, view in zip(bsnh, views))
-    o_shape = (B, Sq, N, Dv)
+    q_shape, k_shape, v_shape = (
+        s if view is None else view.shape for s, view in zip(spec.input_shapes, views)
+    )
+    o_shape, dtype = (spec.batch, spec.seq_q, spec.heads, spec.head_dim_v), spec.dtype
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True, SPEC_ATTR: spec.to_json()}
     bias_shapes = spec.bias_shapes
     if len(bias_shapes) == 0:
@@ -845,10 +851,7 @@ def _lower(binding, mod, builder, target, packed):
         return None
     views = [None, None, None]
     if packed is not None:  # Q, K, V read from the projections they were cut from (no copies)
-        shapes = [(spec.batch, spec.seq_q, spec.heads, spec.head_dim),
-                  (spec.batch, spec.seq_kv, spec.heads, spec.head_dim),
-                  (spec.batch, spec.seq_kv, spec.heads, spec.head_dim_v)]  # fmt: skip
-        for i, shape in enumerate(shapes):
+        for i, shape in enumerate(spec.input_shapes):
             found = packed.column_view(args[i], shape)
             if found is not None:
                 args[i], views[i] = found

@@ -555,7 +555,7 @@ class Contraction(CpuRule):
         reads = list(stmt.reads)
         for idx, region in enumerate(reads):
             buf = region.source
-            pad_block = next((blk for b, blk in padded.items() if b.same_as(buf)), None)
+            pad_block = padded.get(buf)
             if buf.same_as(out_buf) or (buf not in layout_free and pad_block is None):
                 continue
             # dims of this buffer indexed exactly by the vector / row iter, blocked by their tile
