@@ -410,6 +410,26 @@ def _convnext_block():
     return g.finish([g.conv(g.add(y, h), 16, 16, k=1)])
 
 
+def test_a_channels_last_model_builds_in_nhwc_on_cpu():
+    """The CPU pipeline keeps NCHW, but a model whose convs sit between its own NHWC permutes
+    (ConvNeXt) goes NHWC: its permutes become the identity, and the only transforms left are the
+    model input's and output's (in NCHW: a transpose and a transposing layer-scale kernel in
+    every block). A conv net without such permutes stays NCHW."""
+    import tvm_fusion
+
+    model = _convnext_block()
+    assert choose_layout(ZNVER3, rl.AS_MODEL, import_onnx(model).mod) == "NHWC"
+    assert choose_layout(ZNVER3, rl.AS_MODEL, import_onnx(_fire_module()).mod) == "NCHW"
+    result = tvm_fusion.build(model, llvm_target(), tuning_logs=None)
+    kernels = [gv.name_hint for gv, f in result.lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert not [k for k in kernels if "transpose" in k or "permute" in k]
+    assert len([k for k in kernels if "layout_transform" in k]) == 2  # the input's, the output's
+    feeds = models.random_inputs(model)
+    vm = relax.VirtualMachine(result.executable, tvm.cpu())
+    ours = vm["main"](*[tvm.runtime.tensor(v) for v in feeds.values()]).numpy()
+    np.testing.assert_allclose(ours, ort_run(model, feeds), atol=1e-4, rtol=1e-4)
+
+
 def _patch_embedding():
     """ViT's patch embedding: a 4x4/4 conv, the feature map flattened to [N, C, H*W] and
     transposed to tokens [N, H*W, C], then a layer norm."""

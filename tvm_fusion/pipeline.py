@@ -96,8 +96,10 @@ from .targets import parse_target
 # docs/performance.md. On CPU our conv schedule already packs weights into a blocked layout at compile
 # time and picks its vector axis per conv; NCHW activations measured faster than NCHW8c/16c/32c
 # (ResNet-18 at 224: 78 ms vs 148/105/91 ms), so the pipeline keeps them. ``RewriteLayout(target)``
-# on its own still gives NCHW{c} on CPU, and ``layout="NCHW8c"`` selects it here.
-PIPELINE_LAYOUT = {"cuda": "NHWC", "llvm": "NCHW"}
+# on its own still gives NCHW{c} on CPU, and ``layout="NCHW8c"`` selects it here. A model that is
+# itself channels-last between its convs (ConvNeXt) gets NHWC: "as-model", see
+# ``rewrite_layout.channels_last_model``.
+PIPELINE_LAYOUT = {"cuda": "NHWC", "llvm": "as-model"}
 
 
 def in_target(
