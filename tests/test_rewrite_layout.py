@@ -430,6 +430,33 @@ def test_a_channels_last_model_builds_in_nhwc_on_cpu():
     np.testing.assert_allclose(ours, ort_run(model, feeds), atol=1e-4, rtol=1e-4)
 
 
+def _conv_then_permute(plain_convs: int, relus: int):
+    """``plain_convs`` 3x3 convs, then one more whose output reaches an NCHW -> NHWC permute
+    through its bias add and ``relus`` ReLUs."""
+    g = models.GraphBuilder("conv_permute", 0)
+    h = g.input("input", (1, 16, 8, 8))
+    for _ in range(plain_convs):
+        h = g.conv(h, 16, 16, k=3)
+    h = g.conv(h, 16, 16, k=1)
+    for _ in range(relus):
+        h = g.relu(h)
+    return g.finish([g.layer_norm(g.transpose(h, [0, 2, 3, 1]), 16)])
+
+
+@pytest.mark.parametrize(
+    "plain_convs, relus, channels_last",
+    [(0, 0, True), (0, 2, True), (0, 3, False), (1, 0, False), (3, 0, False)],
+)
+def test_channels_last_model_needs_most_convs_next_to_the_models_permutes(plain_convs, relus, channels_last):
+    """A majority of the convs (1 of 2 is not one), each within three elementwise ops of the
+    permute (the bias add is one)."""
+    mod = import_onnx(_conv_then_permute(plain_convs, relus)).mod
+    assert rl.channels_last_model(mod) is channels_last
+    assert choose_layout(ZNVER3, rl.AS_MODEL, mod) == ("NHWC" if channels_last else "NCHW")
+    with pytest.raises(ValueError, match="as-model"):
+        choose_layout(ZNVER3, rl.AS_MODEL)
+
+
 def _patch_embedding():
     """ViT's patch embedding: a 4x4/4 conv, the feature map flattened to [N, C, H*W] and
     transposed to tokens [N, H*W, C], then a layer norm."""

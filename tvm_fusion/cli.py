@@ -61,8 +61,8 @@ def _add_pipeline_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layout",
         default="auto",
-        help="auto (NHWC on CUDA; on CPU NCHW, where it measured faster than NCHW{c}, or NHWC for a model "
-        "that is channels-last between its convs, as ConvNeXt) | as-model | NCHW | NHWC | NCHW8c | off",
+        help="auto (NHWC on CUDA; on CPU as-model) | as-model (NHWC for a model that is channels-last "
+        "between its convs, as ConvNeXt, else NCHW, also on CUDA) | NCHW | NHWC | NCHW8c | off",
     )
     parser.add_argument(
         "--no-fusion", dest="fusion", action="store_false", help="one kernel per op (baseline)"

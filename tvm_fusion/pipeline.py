@@ -95,10 +95,10 @@ from .targets import parse_target
 # The activation layout the pipeline asks RewriteLayout for, per target kind; measured, see
 # docs/performance.md. On CPU our conv schedule already packs weights into a blocked layout at compile
 # time and picks its vector axis per conv; NCHW activations measured faster than NCHW8c/16c/32c
-# (ResNet-18 at 224: 78 ms vs 148/105/91 ms), so the pipeline keeps them. ``RewriteLayout(target)``
-# on its own still gives NCHW{c} on CPU, and ``layout="NCHW8c"`` selects it here. A model that is
-# itself channels-last between its convs (ConvNeXt) gets NHWC: "as-model", see
-# ``rewrite_layout.channels_last_model``.
+# (ResNet-18 at 224: 78 ms vs 148/105/91 ms), so the pipeline keeps them, unless the model is itself
+# channels-last between its convs (ConvNeXt): "as-model" gives it NHWC, see
+# ``rewrite_layout.channels_last_model``. ``RewriteLayout(target)`` on its own still gives NCHW{c}
+# on CPU, and ``layout="NCHW8c"`` selects it here.
 PIPELINE_LAYOUT = {"cuda": "NHWC", "llvm": "as-model"}
 
 
@@ -222,7 +222,8 @@ def pipeline_passes(
         Override ``policy.horizontal`` / ``policy.attention`` when not None.
     layout : True | False | str
         True: the pipeline's per-target layout (``PIPELINE_LAYOUT``); a string forces one
-        ("NHWC", "NCHW8c", ...); False skips the layout pass.
+        ("NHWC", "NCHW8c", "NCHW", "as-model": NHWC for a channels-last model, else NCHW);
+        False skips the layout pass.
     database : meta_schedule Database | None
         Tuned records to apply before the default schedules.
     conv_algorithms : dict | str | None
