@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from conftest import HOST_HAS_AVX512, ort_run, relax_main, run_relax
+from conftest import HOST_HAS_AVX512, ort_run, relax_main, run_executable, run_relax
 from tvm import relax, s_tir, te, tirx, topi
 from tvm.s_tir import dlight as dl
 
@@ -31,6 +31,7 @@ from tvm_fusion.schedules import (
 from tvm_fusion.schedules._util import PARALLEL_MIN_ELEMENTS, collect_loops, loop_kinds, safe_rule, uses_var
 from tvm_fusion.schedules.contraction import MAX_IMBALANCE, _imbalance
 from tvm_fusion.schedules.fallback import get_sblock_realize
+from tvm_fusion.targets import llvm_target
 
 ZNVER3 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
 ZNVER4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})  # AVX-512
@@ -143,6 +144,31 @@ def test_odd_width_constant_weight_is_padded_by_its_packing(rows, n):
         if isinstance(blk, s_tir.SBlock) and blk.name_hint.endswith("_pad")
     ]
     assert not run_time_pads, f"the weight is padded at every call\n{func}"
+
+
+def test_reshape_epilogue_of_a_padded_linear_covers_its_whole_output():
+    """ConvBERT's span kernels: a 192 -> 27 linear, padded to whole vectors, whose result is
+    reshaped to [384, 9, 1] in its epilogue. ``reverse_compute_at`` gave the reshape 25 x 5
+    points a tile of 8 rows (24 x 9 needed): columns 5-8 of the output were never written (NaN
+    from the whole model; seen with AVX-512's 16-lane tiles, on this machine's CPU). The epilogue
+    now runs as its own stage there."""
+    import tvm_fusion
+
+    w, b = _rand(192, 27, scale=0.1), _rand(27)
+
+    def linear_then_reshape(bb, x):
+        y = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w))), relax.const(b)))
+        return relax.op.nn.softmax(bb.emit(relax.op.reshape(y, [384, 9, 1])), axis=1)
+
+    mod = relax_main({"x": (1, 128, 192)}, linear_then_reshape)
+    x = _rand(1, 128, 192)
+    result = tvm_fusion.build(mod, llvm_target(), tuning_logs=None)  # our fusion policy, this CPU
+    (fused,) = [gv.name_hint for gv, f in result.lowered.functions.items() if "matmul" in gv.name_hint]
+    assert "reshape" in fused  # the reshape is the linear's epilogue
+    logits = (x @ w + b).reshape(384, 9, 1)
+    expected = np.exp(logits - logits.max(axis=1, keepdims=True))
+    expected /= expected.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(run_executable(result.executable, [x]), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_matmul_without_prepack_has_same_numbers():

@@ -213,8 +213,30 @@ def reverse_compute_within(sch: s_tir.Schedule, consumer, producer, loop, preser
     producers = [producer] if producer is not None else probe.get_producers(consumer)
     if not all(computed_within(probe, consumer, p, loop) for p in producers):
         return False
+    if not _covers_domain(probe, consumer):
+        return False
     sch.reverse_compute_at(consumer, loop, preserve_unit_loops)
     return True
+
+
+def _covers_domain(sch: s_tir.Schedule, block) -> bool:
+    """Whether ``block``'s loops run at least as many iterations as its domain has points.
+    ``reverse_compute_at`` can infer a box that misses part of the consumer: ConvBERT's 192 -> 27
+    linear, its output padded to 32 columns and reshaped to [384, 9, 1] as the epilogue, got
+    25 x 5 points per tile of 8 rows (24 x 9 needed), so columns 5-8 were never written (NaN
+    outputs). Unknown with a symbolic extent (True: nothing to compare)."""
+    iterations = 1
+    for loop in sch.get_loops(block):
+        extent = int_extent(sch, loop)
+        if extent is None:
+            return True
+        iterations *= extent
+    points = 1
+    for iv in sch.get(block).iter_vars:
+        if not isinstance(iv.dom.extent, tirx.IntImm):
+            return True
+        points *= int(iv.dom.extent)
+    return iterations >= points
 
 
 def _spatial_bindings(sch: s_tir.Schedule, block) -> list:
