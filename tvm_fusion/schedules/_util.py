@@ -205,8 +205,8 @@ def computed_within(sch: s_tir.Schedule, consumer, producer, loop) -> bool:
 def reverse_compute_within(sch: s_tir.Schedule, consumer, producer, loop, preserve_unit_loops=False) -> bool:
     """``reverse_compute_at(consumer, loop)`` if the consumer then reads within the producer's
     iteration (:func:`computed_within`), or, with ``producer`` None, within the iteration of every
-    block it reads (a chain of epilogue blocks placed one after the other); else False, with
-    ``sch`` untouched."""
+    block it reads (a chain of epilogue blocks placed one after the other), and its loops still
+    cover its whole domain (:func:`_covers_domain`); else False, with ``sch`` untouched."""
     probe = sch.copy()
     if not try_primitive(probe.reverse_compute_at, consumer, loop, preserve_unit_loops):
         return False
