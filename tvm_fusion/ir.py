@@ -183,6 +183,16 @@ class UseCountingMutator(relax.PyExprMutator):
         return self.lookup_binding(expr)
 
 
+def binding_users(func: relax.Function) -> dict[relax.Var, list[relax.Var]]:
+    """For each var, the vars of the bindings (of ``func``'s own blocks) that read it."""
+    users: dict[relax.Var, list[relax.Var]] = {}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            for var in relax.analysis.free_vars(binding.value):
+                users.setdefault(var, []).append(binding.var)
+    return users
+
+
 def count_uses(func: relax.Function) -> dict[relax.Var, int]:
     """How many bindings (plus the function result) read each var."""
     uses: dict[relax.Var, int] = {}

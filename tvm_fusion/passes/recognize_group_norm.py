@@ -25,7 +25,15 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import count_uses, graph_functions, op_name, static_shape, with_bindings, with_functions
+from ..ir import (
+    binding_users,
+    count_uses,
+    graph_functions,
+    op_name,
+    static_shape,
+    with_bindings,
+    with_functions,
+)
 
 __all__ = ["RecognizeGroupNorm"]
 
@@ -48,11 +56,7 @@ class _Chain:
     def __init__(self, func: relax.Function):
         self.var2val = relax.analysis.get_var2val(func)
         self.uses = count_uses(func)
-        self.users: dict[relax.Var, list[relax.Var]] = {}
-        for block in func.body.blocks:
-            for b in block.bindings:
-                for v in relax.analysis.free_vars(b.value):
-                    self.users.setdefault(v, []).append(b.var)
+        self.users = binding_users(func)
 
     def call(self, var, name):
         value = self.var2val.get(var) if isinstance(var, relax.Var) else None

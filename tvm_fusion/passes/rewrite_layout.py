@@ -41,7 +41,7 @@ from tvm.ir import Op
 from tvm.sym import Analyzer
 from tvm.target import codegen
 
-from ..ir import graph_functions, int_values, op_name, static_shape
+from ..ir import binding_users, graph_functions, int_values, op_name, static_shape
 from ..legalize import register as register_legalizations
 from ..legalize.conv_args import out_dtype
 from ..targets import is_gpu, parse_target
@@ -80,6 +80,7 @@ _BINARY = {
     "relax.minimum",
     "relax.power",
 }
+_ELEMENTWISE = _UNARY | _BINARY
 _POOL = {"relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d"}
 
 
@@ -238,12 +239,8 @@ def channels_last_model(mod: tvm.IRModule) -> bool:
 
 def _channels_last_convs(func: relax.Function) -> tuple[int, int]:
     """(2-D convs, those next to one of the model's NCHW <-> NHWC permutes) in ``func``."""
-    values, users = {}, {}
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            values[binding.var] = binding.value
-            for var in relax.analysis.free_vars(binding.value):
-                users.setdefault(var, []).append(binding.var)
+    values = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+    users = binding_users(func)
 
     def permute_axes(value):
         if op_name(value) != "relax.permute_dims" or value.attrs.axes is None:
@@ -251,7 +248,7 @@ def _channels_last_convs(func: relax.Function) -> tuple[int, int]:
         return [int(a) for a in value.attrs.axes]
 
     def elementwise(value):
-        return op_name(value) in _UNARY | _BINARY
+        return op_name(value) in _ELEMENTWISE
 
     def from_nhwc(var, hops=_MAX_ELEMENTWISE_HOPS) -> bool:
         value = values.get(var)
