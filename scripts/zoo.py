@@ -296,6 +296,8 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
     note = export_note(model)
     if note:
         save(export_note=note)
+    if "llvm" in targets:
+        save(gflop=model_gflop(model))
     feeds = feeds_for(model)
     target = llvm_target()
     threads = int(target.attrs["num-cores"])
@@ -341,6 +343,18 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
             save(cuda_error=_one_line(err))
 
 
+def model_gflop(model) -> float | None:
+    """GFLOP of one inference counted on the imported model (``report.model_flops``: convs as
+    direct convolutions, matmuls; other ops one per output element), None if it does not import."""
+    from tvm_fusion.frontend import import_onnx
+    from tvm_fusion.report import model_flops
+
+    try:
+        return round(model_flops(import_onnx(model).mod) / 1e9, 3)
+    except Exception:  # the llvm run reports the import error itself
+        return None
+
+
 def relative_error(vm, args, reference: np.ndarray) -> float:
     """``max |ours - reference| / max |reference|`` of ``vm["main"](*args)``'s (first) output;
     raises when the shapes differ or the reference is all zeros or subnormal (it would check
@@ -379,6 +393,7 @@ def load_results(cache: Path) -> dict:
 # the fields each target's run writes: a run of one target keeps the other's from before
 TARGET_FIELDS = {
     "llvm": (
+        "gflop",
         "llvm_build_s",
         "llvm_error",
         "ops",
@@ -437,7 +452,9 @@ def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other "
         f"work while measured (timings are noisy; ratios come from ORT and ours timed side by side in one "
         f"process, interleaved, {threads or 'all'} threads each). TVM {tvm.__version__}, ONNX Runtime "
-        f"{onnxruntime.__version__}. Dates per row are in the results file.{(' ' + note) if note else ''}",
+        f"{onnxruntime.__version__}. Dates per row are in the results file. GFLOP/s: the model's FLOPs "
+        f"counted as direct convolutions and matmuls, over our latency (Winograd convs do fewer, so conv "
+        f"nets can read above the machine's FMA peak).{(' ' + note) if note else ''}",
         "",
         f"**Summary:** {n} of {expected} model/exporter pairs run; llvm build + numerics within "
         f"{REL_TOL:g} relative: **{llvm_ok}/{n}**; CUDA build + export: **{cuda_ok}/{n}**.",
@@ -450,12 +467,13 @@ def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
     lines += [
         "",
         "| model | exporter | ops → kernels | build s (llvm) | max rel err | ms ORT | ms ours | × ORT | "
-        "build s (cuda) | cuda kernels (layout transforms) |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "GFLOP/s ours | build s (cuda) | cuda kernels (layout transforms) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     failures = []
     for r in rows:
         ratio = r["ms_ours"] / r["ms_ort"] if r.get("ms_ours") and r.get("ms_ort") else None
+        rate = r["gflop"] / r["ms_ours"] * 1e3 if r.get("gflop") and r.get("ms_ours") else None
         err = r.get("rel_err")
         err_text = _fmt(err, ".1e") + ("" if err is None or err <= REL_TOL else " ✗")
         cuda = (
@@ -467,7 +485,7 @@ def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
         lines.append(
             f"| {r['model']} | {r['exporter']} | {kernels} | {_fmt(r.get('llvm_build_s'), '.1f')} | "
             f"{err_text} | {_fmt(r.get('ms_ort'), '.2f')} | {_fmt(r.get('ms_ours'), '.2f')} | "
-            f"{_fmt(ratio, '.2f')} | {_fmt(r.get('cuda_build_s'), '.1f')} | {cuda} |"
+            f"{_fmt(ratio, '.2f')} | {_fmt(rate, '.0f')} | {_fmt(r.get('cuda_build_s'), '.1f')} | {cuda} |"
         )
         for key in ("llvm_error", "cuda_error"):
             if r.get(key):
@@ -624,7 +642,20 @@ def cmd_one(args) -> int:
     return 0
 
 
+def _fill_gflop(cache: Path) -> None:
+    """Count the FLOPs of stored rows that predate the ``gflop`` field, from their cached export."""
+    import onnx
+
+    for key, row in load_results(cache).items():
+        path = onnx_path(cache, row["model"], row["exporter"])
+        if "gflop" not in row and path.exists():
+            row["gflop"] = model_gflop(onnx.load(str(path)))
+            store_result(cache, row)
+            print(f"{key}: {row['gflop']} GFLOP", flush=True)
+
+
 def cmd_report(args) -> int:
+    _fill_gflop(args.cache)
     write_report(load_results(args.cache), args.out, args.out.with_suffix(".png"), args.note)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0

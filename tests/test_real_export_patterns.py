@@ -614,6 +614,29 @@ def test_zoo_report_shows_how_a_file_had_to_be_exported(tmp_path):
     assert "## Export notes\n\n- t5_encoder (dynamo): exported with eager attention" in md.read_text()
 
 
+def test_zoo_report_shows_the_rate_each_model_ran_at(tmp_path):
+    """The zoo table's GFLOP/s column: the model's counted FLOPs over our latency (how close a row
+    is to the machine's peak), blank where either is missing; ``model_gflop`` counts a matmul's
+    2·M·N·K."""
+    zoo = _zoo_script()
+    k, n = 64, 32
+    model = _model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, n])],
+        [numpy_helper.from_array(np.ones((k, n), np.float32), "w")],
+    )
+    assert zoo.model_gflop(model) == round(2 * 16 * k * n / 1e9, 3)
+    timed = {"model": "bert", "exporter": "dynamo", "gflop": 22.0, "ms_ours": 110.0, "ms_ort": 130.0}
+    untimed = {"model": "gpt2", "exporter": "dynamo", "gflop": 22.0}
+    md = tmp_path / "zoo.md"
+    zoo.write_report({"bert.dynamo": timed, "gpt2.dynamo": untimed}, md, tmp_path / "zoo.png")
+    text = md.read_text()
+    assert "| ms ours | × ORT | GFLOP/s ours |" in text
+    assert "| 110.00 | 0.85 | 200 |" in text
+    assert "| gpt2 | dynamo |" in text and "| — | — | — | — |" in text
+
+
 def test_more_models_report_counts_only_rows_that_built_and_matched(tmp_path):
     """``more_models.py``'s table: a failed row shows its one-line error, a row over the numerics
     tolerance is not counted as a pass, an export ONNX Runtime rejects is counted apart (built, not
