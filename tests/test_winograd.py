@@ -15,6 +15,7 @@ from tvm_fusion.frontend import import_onnx
 from tvm_fusion.legalize.winograd_conv import STAGE, conv_signature, default_algorithm, transform_matrices
 from tvm_fusion.pipeline import pipeline_passes, run_passes, unscheduled_module
 from tvm_fusion.schedules import Winograd
+from tvm_fusion.schedules.winograd import gemm_tile_columns
 from tvm_fusion.targets import llvm_target
 
 ZNVER3 = llvm_target("znver3")  # AVX2: the CI machine's vector width, whatever this one has
@@ -175,7 +176,9 @@ def test_input_transform_is_separable_per_task_over_whole_vectors_of_tiles():
     """V = Bᵀ d B as a row pass then a column pass (F(4): half the terms of the double sum), the
     row pass computed inside each parallel task (no full-size intermediate), both over a tile
     count rounded up to whole vectors (13 tiles of a 52-wide output: one 16-lane vector, not
-    8 + 4 + 1 lanes), while the GEMM reads only the real tiles; the numbers still match."""
+    8 + 4 + 1 lanes), while the GEMM computes 14 of those 16 columns (13 is prime: its
+    micro-kernel would take one tile at a time; with 14, seven), and the output transform reads
+    the 13 real ones; the numbers still match."""
     model = _conv_model(16, 32, 52, 1, "relu")
     mod = _lowered(model, "winograd4", target=llvm_target("skylake-avx512"))
     ((_, func),) = _prim_funcs(mod).items()
@@ -190,10 +193,34 @@ def test_input_transform_is_separable_per_task_over_whole_vectors_of_tiles():
         (vector,) = [lp for lp in sch.get_loops(blk) if sch.get(lp).kind == tirx.ForKind.VECTORIZED]
         assert int(sch.get(vector).extent) == 16
     assert int(sch.get(inp).writes[0].source.shape[-1]) == 16  # 13 tiles, padded
-    assert int(sch.get(gemm).iter_vars[5].dom.extent) == 13  # the GEMM computes the real tiles only
+    assert int(sch.get(gemm).iter_vars[5].dom.extent) == 14  # 13 real tiles and one of the padding
+    unrolled = [
+        int(sch.get(lp).extent) for lp in sch.get_loops(gemm) if sch.get(lp).kind == tirx.ForKind.UNROLLED
+    ]
+    assert unrolled == [7, 2]  # the micro-kernel: 7 tiles x 2 vectors of output channels
     feeds = _feeds(model)
     got = run_executable(tvm.compile(mod, target=llvm_target("skylake-avx512")), feeds)
     assert _rel_err(got, ort_run(model, feeds)) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "tiles, padded, channels_in, channels_out, gemm_tiles",
+    [
+        (37, 40, 32, 64, 40),  # inception_v3's 147-wide stem in F(4): 37 is prime, 40 takes 5 x 64
+        (17, 24, 128, 128, 18),  # fcn_resnet50's 65-wide convs: 18 takes 6 tiles
+        (14, 16, 64, 64, 14),  # ResNet's 56x56: 7 tiles a micro-kernel already
+        (14, 16, 16, 64, 14),  # squeezenet's 55x55: 15 would be only a little cheaper
+        (9, 16, 64, 96, 9),
+        (4, 4, 512, 512, 4),  # not rounded up (8 tiles or fewer): nothing to take
+    ],
+)
+def test_gemm_tile_columns_pad_only_a_count_without_a_wide_micro_kernel(
+    tiles, padded, channels_in, channels_out, gemm_tiles
+):
+    """The GEMM runs over more tile columns than the real ones (up to the input transform's
+    rounded-up count) only where its micro-kernel gets much wider for it."""
+    target = llvm_target("skylake-avx512")
+    assert gemm_tile_columns(tiles, padded, channels_in, channels_out, tiles, target) == gemm_tiles
 
 
 def test_input_transform_of_a_one_tile_row_stays_parallel():

@@ -106,10 +106,19 @@ def _selected_sums(index_vars, keys, terms, dtype):
 
 
 def winograd_conv2d_nchw(
-    data, weight, padding, m: int, out_dtype: str | None = None, signature: str = "", lanes: int = 1
+    data,
+    weight,
+    padding,
+    m: int,
+    out_dtype: str | None = None,
+    signature: str = "",
+    lanes: int = 1,
+    gemm_cols: int | None = None,
 ):
     """TE of the Winograd conv (see module docstring); returns the NCHW output tensor. ``lanes``:
-    the SIMD width the input transform is vectorized with (it runs over whole vectors of tiles)."""
+    the SIMD width the input transform is vectorized with (it runs over whole vectors of tiles).
+    ``gemm_cols``: the tile columns per row the GEMM computes (default: the real ones; at most the
+    input transform's rounded-up columns, see ``schedules.winograd.gemm_tile_columns``)."""
     n_ = data.shape[0]  # symbolic in a generic entry (dynamic batch): an outer loop throughout
     c_, h_, w_ = (int(x) for x in data.shape[1:])
     k_, _, kh_, kw_ = (int(x) for x in weight.shape)
@@ -132,6 +141,8 @@ def winograd_conv2d_nchw(
     # as they are (7 -> 8 was 6 % slower at 128->32 14x14 F(2), AVX-512). The phase length is a
     # multiple of 4, so the pad stage vectorizes (17 would not).
     nw_v = padded_width(nw, lanes) if nw > 8 else nw
+    nw_g = gemm_cols or nw
+    assert nw <= nw_g <= nw_v, f"GEMM tile columns {nw_g} outside [{nw}, {nw_v}]"
     rows, phase_len = nh * m + 2, -(-(nw_v + (alpha - 1) // m) // 4) * 4
 
     def polyphase(b, c, y, r, q):
@@ -208,7 +219,7 @@ def winograd_conv2d_nchw(
     )
     rc = te.reduce_axis((0, c_), name="rc")
     mm = te.compute(
-        (alpha, alpha, k_, n_, nh, nw),
+        (alpha, alpha, k_, n_, nh, nw_g),
         lambda e, nu, k, b, ty, tx: te.sum(u[e, nu, rc, k] * v[e, nu, rc, b, ty, tx], axis=[rc]),
         name="winograd_gemm",
         attrs={STAGE: "gemm", SIGNATURE: signature, **ann},
@@ -352,5 +363,22 @@ def legalize_conv2d_winograd(bb: relax.BlockBuilder, call: relax.Call):
         None,
         signature,
         conv["lanes"],
+        _gemm_cols(conv, m),
         primfunc_name_hint=f"conv2d_winograd{m}",
     )
+
+
+def _gemm_cols(conv: dict, m: int) -> int:
+    """The GEMM's tile columns per row for ``conv`` in F(m) on the current target (see
+    ``schedules.winograd.gemm_tile_columns``)."""
+    from ..schedules.winograd import gemm_tile_columns  # pylint: disable=import-outside-toplevel
+
+    dshape, padding = conv["data_shape"], conv["padding"]
+    oh, ow = dshape[2] + padding[0] + padding[2] - 2, dshape[3] + padding[1] + padding[3] - 2
+    nh, nw = math.ceil(oh / m), math.ceil(ow / m)
+    nw_v = padded_width(nw, conv["lanes"]) if nw > 8 else nw
+    target = tvm.target.Target.current()
+    if target is None:
+        return nw
+    images = dshape[0] if isinstance(dshape[0], int) else 1
+    return gemm_tile_columns(nw, nw_v, conv["channels_in"], conv["channels_out"], images * nh, target)

@@ -52,6 +52,7 @@ from ._util import (
     try_primitive,
     vector_lanes,
 )
+from .contraction import TILE_OVERHEAD_CYCLES
 from .knobs import Knobs
 
 MAX_ROWS = 8
@@ -59,6 +60,7 @@ MAX_PLAN_CHOICES = 12
 FMA_IN_FLIGHT = 8  # FMA latency x pipes: fewer accumulators leave the pipes idle
 TASK_TILE_BYTES = 96 << 10  # a task's α² accumulator tiles (written once, read by the output)
 MIN_TASKS_PER_CORE = 4
+MIN_PADDED_GAIN = 0.9  # GEMM tile columns padded only for a 10 % cheaper micro-kernel (gemm_tile_columns)
 
 
 _WARNED: set[str] = set()
@@ -152,6 +154,36 @@ def micro_kernel_plans(channels_out: int, tile_cols: int, tasks_outer: int, targ
             plans.append((vt, rt, round(cost, 3)))
     plans.sort(key=lambda p: (p[2], -p[0] * p[1], -p[1]))
     return plans
+
+
+def gemm_tile_columns(
+    tile_cols: int, max_cols: int, channels_in: int, channels_out: int, tile_rows: int, target: Target
+) -> int:
+    """How many tile columns per row the GEMM computes: ``tile_cols`` (the real ones), or more, up
+    to ``max_cols`` (the input transform's columns, rounded up to whole vectors: computed anyway),
+    when a wider micro-kernel row tile then pays for the extra columns. The micro-kernel's ``rt``
+    divides the GEMM's columns: 37 tiles (147 pixels in F(4), inception_v3's stem) allowed one
+    tile per micro-kernel, and that conv ran 1.3x slower in F(4) than in F(2). Each width is
+    priced by its best plan with the per-tile cost ``micro_kernel_plans`` leaves out (the
+    reduction is only ``channels_in`` steps long, so a tile's set-up and write-back weigh), times
+    the extra columns: 37 becomes 40 (5 tiles x 64 channels); 14, 9 or 18 stay, and so does any
+    count a wider one beats by less than ``MIN_PADDED_GAIN`` (squeezenet's 14 tiles as 15: the
+    same speed). The extra columns read the zero-padded input and are never read back."""
+    lanes = vector_lanes(target, "float32")
+
+    def priced(cols: int) -> float:
+        plans = micro_kernel_plans(channels_out, cols, tile_rows, target)
+        if not plans:
+            return math.inf
+        vt, rt, cost = plans[0]
+        acc = rt * math.ceil(vt / lanes)
+        fma_cycles = channels_in * acc / 2  # the tile's FMAs at peak
+        tile_cycles = cost * fma_cycles + TILE_OVERHEAD_CYCLES + acc  # + set-up, a store per accumulator
+        return tile_cycles / fma_cycles * cols / tile_cols
+
+    widest = max(tile_cols, max_cols)
+    best = min(range(tile_cols, widest + 1), key=priced)
+    return best if priced(best) < MIN_PADDED_GAIN * priced(tile_cols) else tile_cols
 
 
 class Winograd(CpuRule):
