@@ -619,22 +619,22 @@ def test_zoo_report_shows_the_rate_each_model_ran_at(tmp_path):
     is to the machine's peak), blank where either is missing; ``model_gflop`` counts a matmul's
     2·M·N·K."""
     zoo = _zoo_script()
-    k, n = 64, 32
+    m, k, n = 512, 1024, 1024
     model = _model(
         [helper.make_node("MatMul", ["x", "w"], ["y"])],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, n])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
         [numpy_helper.from_array(np.ones((k, n), np.float32), "w")],
     )
-    assert zoo.model_gflop(model) == round(2 * 16 * k * n / 1e9, 3)
+    assert zoo.model_gflop(model) == 1.074  # 2 * 512 * 1024 * 1024 / 1e9
     timed = {"model": "bert", "exporter": "dynamo", "gflop": 22.0, "ms_ours": 110.0, "ms_ort": 130.0}
     untimed = {"model": "gpt2", "exporter": "dynamo", "gflop": 22.0}
     md = tmp_path / "zoo.md"
     zoo.write_report({"bert.dynamo": timed, "gpt2.dynamo": untimed}, md, tmp_path / "zoo.png")
     text = md.read_text()
     assert "| ms ours | × ORT | GFLOP/s ours |" in text
-    assert "| 110.00 | 0.85 | 200 |" in text
-    assert "| gpt2 | dynamo |" in text and "| — | — | — | — |" in text
+    assert "| bert | dynamo | — | — | — | 130.00 | 110.00 | 0.85 | 200 | — | — |" in text
+    assert "| gpt2 | dynamo | — | — | — | — | — | — | — | — | — |" in text
 
 
 def test_more_models_report_counts_only_rows_that_built_and_matched(tmp_path):

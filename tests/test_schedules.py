@@ -1545,7 +1545,8 @@ def test_rows_along_a_sliding_window_leave_registers_for_their_broadcasts():
     update = sch.get_sblock("conv2d_nchw_update")
     realize = get_sblock_realize(sch, update)
     unrolled = [sch.get(lp) for lp in sch.get_loops(update) if sch.get(lp).kind == tirx.ForKind.UNROLLED]
-    rows, vectors = (int(lp.extent) for lp in unrolled)  # the micro-kernel: rows x vectors of channels
+    assert len(unrolled) == 2, unrolled  # the micro-kernel: rows x vectors of output channels
+    rows, vectors = (int(lp.extent) for lp in unrolled)
     block = realize.block
     (row_var,) = [
         iv.var

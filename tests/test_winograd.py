@@ -19,6 +19,7 @@ from tvm_fusion.schedules.winograd import gemm_tile_columns
 from tvm_fusion.targets import llvm_target
 
 ZNVER3 = llvm_target("znver3")  # AVX2: the CI machine's vector width, whatever this one has
+AVX512 = llvm_target("skylake-avx512", 2)  # 2 cores: the plans weigh the tasks' balance over them
 
 
 def _conv_model(cin, cout, size, pad, epilogue, seed=0):
@@ -180,7 +181,7 @@ def test_input_transform_is_separable_per_task_over_whole_vectors_of_tiles():
     micro-kernel would take one tile at a time; with 14, seven), and the output transform reads
     the 13 real ones; the numbers still match."""
     model = _conv_model(16, 32, 52, 1, "relu")
-    mod = _lowered(model, "winograd4", target=llvm_target("skylake-avx512"))
+    mod = _lowered(model, "winograd4", target=AVX512)
     ((_, func),) = _prim_funcs(mod).items()
     sch = tvm.s_tir.Schedule(func)
     rows, inp, gemm = (
@@ -199,7 +200,7 @@ def test_input_transform_is_separable_per_task_over_whole_vectors_of_tiles():
     ]
     assert unrolled == [7, 2]  # the micro-kernel: 7 tiles x 2 vectors of output channels
     feeds = _feeds(model)
-    got = run_executable(tvm.compile(mod, target=llvm_target("skylake-avx512")), feeds)
+    got = run_executable(tvm.compile(mod, target=AVX512), feeds)
     assert _rel_err(got, ort_run(model, feeds)) <= 1e-4
 
 
@@ -207,7 +208,7 @@ def test_input_transform_is_separable_per_task_over_whole_vectors_of_tiles():
     "tiles, padded, channels_in, channels_out, gemm_tiles",
     [
         (37, 40, 32, 64, 40),  # inception_v3's 147-wide stem in F(4): 37 is prime, 40 takes 5 x 64
-        (17, 24, 128, 128, 18),  # fcn_resnet50's 65-wide convs: 18 takes 6 tiles
+        (17, 24, 128, 128, 18),  # a 65-wide conv (FCN-ResNet50 at torchvision's 520 input): 18 takes 6
         (14, 16, 64, 64, 14),  # ResNet's 56x56: 7 tiles a micro-kernel already
         (14, 16, 16, 64, 14),  # squeezenet's 55x55: 15 would be only a little cheaper
         (9, 16, 64, 96, 9),
@@ -219,8 +220,7 @@ def test_gemm_tile_columns_pad_only_a_count_without_a_wide_micro_kernel(
 ):
     """The GEMM runs over more tile columns than the real ones (up to the input transform's
     rounded-up count) only where its micro-kernel gets much wider for it."""
-    target = llvm_target("skylake-avx512")
-    assert gemm_tile_columns(tiles, padded, channels_in, channels_out, tiles, target) == gemm_tiles
+    assert gemm_tile_columns(tiles, padded, channels_in, channels_out, tiles, AVX512) == gemm_tiles
 
 
 def test_input_transform_of_a_one_tile_row_stays_parallel():

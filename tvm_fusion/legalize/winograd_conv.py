@@ -105,6 +105,16 @@ def _selected_sums(index_vars, keys, terms, dtype):
     return _select(index_vars, {key: _weighted_sum(terms(*key), dtype) for key in keys}, dtype)
 
 
+def tile_grid(height: int, width: int, padding, m: int, lanes: int):
+    """``((oh, ow), (nh, nw), nw_v)`` of a 3x3 stride-1 conv in F(m): its output size, its tile
+    rows and columns, and the columns the input transform computes (rounded up to whole vectors
+    when a row has more than 8 tiles, see ``winograd_conv2d_nchw``)."""
+    pt, pl, pb, pr = (int(p) for p in padding)
+    oh, ow = height + pt + pb - 2, width + pl + pr - 2
+    nh, nw = math.ceil(oh / m), math.ceil(ow / m)
+    return (oh, ow), (nh, nw), padded_width(nw, lanes) if nw > 8 else nw
+
+
 def winograd_conv2d_nchw(
     data,
     weight,
@@ -126,8 +136,7 @@ def winograd_conv2d_nchw(
     dtype = out_dtype or data.dtype
     alpha = m + 2
     pt, pl, pb, pr = (int(p) for p in padding)
-    oh, ow = h_ + pt + pb - 2, w_ + pl + pr - 2
-    nh, nw = math.ceil(oh / m), math.ceil(ow / m)
+    (oh, ow), (nh, nw), nw_v = tile_grid(h_, w_, padding, m, lanes)
     a_mat, b_mat, g_mat = transform_matrices(m)
     ann = {TILE: m}
 
@@ -137,10 +146,11 @@ def winograd_conv2d_nchw(
     # of a row where the plain layout would need a gather (stride m) per window element
     # The input transform runs over tile columns rounded up to whole 256-bit vectors when a row
     # has more than 8 tiles (14 tiles: one 16-lane vector, not 8 + 4 + 2 lanes per load and
-    # store; 64ch 56x56 F(4) 0.51 -> 0.45 ms); the GEMM reads only the real ones. Fewer tiles stay
-    # as they are (7 -> 8 was 6 % slower at 128->32 14x14 F(2), AVX-512). The phase length is a
-    # multiple of 4, so the pad stage vectorizes (17 would not).
-    nw_v = padded_width(nw, lanes) if nw > 8 else nw
+    # store; 64ch 56x56 F(4) 0.51 -> 0.45 ms); the GEMM computes the real ones, or some of the
+    # padding too where that widens its micro-kernel (``gemm_cols``), and the output transform
+    # reads the real ones. Fewer tiles stay as they are (7 -> 8 was 6 % slower at 128->32 14x14
+    # F(2), AVX-512). The phase length is a multiple of 4, so the pad stage vectorizes (17 would
+    # not).
     nw_g = gemm_cols or nw
     assert nw <= nw_g <= nw_v, f"GEMM tile columns {nw_g} outside [{nw}, {nw_v}]"
     rows, phase_len = nh * m + 2, -(-(nw_v + (alpha - 1) // m) // 4) * 4
@@ -373,10 +383,8 @@ def _gemm_cols(conv: dict, m: int) -> int:
     ``schedules.winograd.gemm_tile_columns``)."""
     from ..schedules.winograd import gemm_tile_columns  # pylint: disable=import-outside-toplevel
 
-    dshape, padding = conv["data_shape"], conv["padding"]
-    oh, ow = dshape[2] + padding[0] + padding[2] - 2, dshape[3] + padding[1] + padding[3] - 2
-    nh, nw = math.ceil(oh / m), math.ceil(ow / m)
-    nw_v = padded_width(nw, conv["lanes"]) if nw > 8 else nw
+    dshape = conv["data_shape"]
+    _, (nh, nw), nw_v = tile_grid(dshape[2], dshape[3], conv["padding"], m, conv["lanes"])
     target = tvm.target.Target.current()
     if target is None:
         return nw

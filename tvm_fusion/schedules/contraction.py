@@ -46,6 +46,7 @@ import math
 import tvm
 from tvm import tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.sym import detect_linear_equation
 from tvm.target import Target
 
 from ._util import (
@@ -415,6 +416,7 @@ class Contraction(CpuRule):
         # per value of the symbolic iters (their loops run outside every tile)
         total = _static_points(main_info)
         r_vars = [it.var for it in main_info.iters if it.kind == "R"]
+        r_extents = {it.var: it.dom for it in main_info.iters if it.kind == "R"}
         r_steps = math.prod(it.dom for it in main_info.iters if it.kind == "R")
         ranked = {}  # (v iter, vt, row iter, rt) -> sort key
         pad_ok = _paddable(stmt, layout_free)
@@ -471,7 +473,9 @@ class Contraction(CpuRule):
             rows = [None] + [it for it in s_iters if it is not v_it]
             for row_it in rows:
                 rts = [1] if row_it is None else _row_tiles(row_it.dom, self.max_rows)
-                sliding_rows = row_it is not None and any(_slides_along(r, row_it.var, r_vars) for r in reads)
+                sliding_rows = row_it is not None and any(
+                    _slides_along(r, row_it.var, r_extents) for r in reads
+                )
                 for vt, vt_pen in vts.items():
                     nvec = math.ceil(vt / lanes)
                     split_groups = [g for g in groups.values() if g % vt]
@@ -879,14 +883,26 @@ def _row_tiles(extent: int, max_rows: int) -> list[int]:
     return tiles
 
 
-def _slides_along(read, var, r_vars) -> bool:
-    """Whether ``read`` indexes the row iter ``var`` together with a reduction iter in one dim (a
-    1xk conv's window ``w + kw`` with rows along ``w``). Row r at step kw then reads what row r+1
-    reads at kw-1, and LLVM keeps the rt broadcasts in registers to reuse them: with 24
-    accumulators and 4 operand vectors that spilled (inception_v3's 1x7 conv, 192 channels at
-    17x17: 1.05 ms with rows along w, 0.72 along h; its 1x3 conv at 8x8, 384 channels: 0.37 vs
-    0.27), where 12 accumulators did not (the 160-channel 1x7 conv: 0.50 along w, 0.56 along h)."""
-    return any(uses_var(rng.min, var) and any(uses_var(rng.min, rv) for rv in r_vars) for rng in read.region)
+def _slides_along(read, var, r_extents: dict) -> bool:
+    """Whether consecutive rows of ``read`` along the row iter ``var`` overlap: one of its dims is
+    ``a·var + b·kw`` with a reduction iter ``kw`` and ``|a| < |b|·extent(kw)`` (a conv's window
+    ``w + kw``, or ``2w + kw`` of a stride-2 3x3; not a 4x4/4 patchify stem's ``4w + kw``). Row r
+    at step kw then reads what row r+1 read before, and LLVM keeps the rows' broadcasts in
+    registers to reuse them: with 24 accumulators and 4 operand vectors that spilled
+    (inception_v3's 1x7 conv, 192 channels at 17x17: 1.05 ms with rows along w, 0.72 along h;
+    its 1x3 conv at 8x8, 384 channels: 0.37 vs 0.27), where 12 accumulators did not (the
+    160-channel 1x7 conv: 0.50 along w, 0.56 along h)."""
+    for rng in read.region:
+        for rv, extent in r_extents.items():
+            if not (uses_var(rng.min, var) and uses_var(rng.min, rv)):
+                continue
+            coeffs = detect_linear_equation(rng.min, [var, rv])
+            if len(coeffs) != 3:  # not linear in both: count it as sliding (the safe side)
+                return True
+            row_step, window_step = (abs(int(c)) if isinstance(c, tirx.IntImm) else None for c in coeffs[:2])
+            if row_step is None or window_step is None or row_step < window_step * extent:
+                return True
+    return False
 
 
 def _lines_written(vt: int, rt: int, out_strided: bool, per_line: int) -> int:

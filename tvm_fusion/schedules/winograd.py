@@ -166,9 +166,11 @@ def gemm_tile_columns(
     tile per micro-kernel, and that conv ran 1.3x slower in F(4) than in F(2). Each width is
     priced by its best plan with the per-tile cost ``micro_kernel_plans`` leaves out (the
     reduction is only ``channels_in`` steps long, so a tile's set-up and write-back weigh), times
-    the extra columns: 37 becomes 40 (5 tiles x 64 channels); 14, 9 or 18 stay, and so does any
-    count a wider one beats by less than ``MIN_PADDED_GAIN`` (squeezenet's 14 tiles as 15: the
-    same speed). The extra columns read the zero-padded input and are never read back."""
+    the extra columns, and the cheapest taken if ``MIN_PADDED_GAIN`` cheaper than the real
+    count. So the choice is the cost model's and depends on the target's vectors and cores: on
+    2 AVX-512 cores 37 becomes 40 (5 tiles x 64 channels) and 17 becomes 18, while 14, 9 or 18
+    stay (squeezenet's 14 tiles as 15 would be 7 % cheaper: measured the same). The extra columns
+    read the zero-padded input and are never read back."""
     lanes = vector_lanes(target, "float32")
 
     def priced(cols: int) -> float:
