@@ -296,8 +296,6 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
     note = export_note(model)
     if note:
         save(export_note=note)
-    if "llvm" in targets:
-        save(gflop=model_gflop(model))
     feeds = feeds_for(model)
     target = llvm_target()
     threads = int(target.attrs["num-cores"])
@@ -312,6 +310,7 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
                 llvm_build_s=round(time.perf_counter() - start, 1),
                 ops=result.summary.ops,
                 kernels=result.summary.kernels,
+                gflop=_gflop(result.model.mod),
             )
             vm = tvm.relax.VirtualMachine(result.executable, tvm.cpu())
             args = [tvm.runtime.tensor(v) for v in feeds.values()]
@@ -343,14 +342,21 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
             save(cuda_error=_one_line(err))
 
 
-def model_gflop(model) -> float | None:
-    """GFLOP of one inference counted on the imported model (``report.model_flops``: convs as
-    direct convolutions, matmuls; other ops one per output element), None if it does not import."""
-    from tvm_fusion.frontend import import_onnx
+def _gflop(mod) -> float:
+    """GFLOP of one inference of an imported Relax module (``report.model_flops``: convs as direct
+    convolutions, matmuls; other ops one per output element)."""
     from tvm_fusion.report import model_flops
 
+    return round(model_flops(mod) / 1e9, 3)
+
+
+def model_gflop(model) -> float | None:
+    """:func:`_gflop` of an ONNX model (for results stored before the count), None if it does not
+    import."""
+    from tvm_fusion.frontend import import_onnx
+
     try:
-        return round(model_flops(import_onnx(model).mod) / 1e9, 3)
+        return _gflop(import_onnx(model).mod)
     except Exception:  # the llvm run reports the import error itself
         return None
 

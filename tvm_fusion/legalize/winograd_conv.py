@@ -336,12 +336,14 @@ def eligible_conv(call: relax.Call) -> dict | None:
     dshape, wshape = shapes
     if wshape[2:] != [3, 3]:
         return None
-    padding = [int(p) for p in attrs.padding]
-    oh, ow = dshape[2] + padding[0] + padding[2] - 2, dshape[3] + padding[1] + padding[3] - 2
-    if oh < 1 or ow < 1:
-        return None
     from ..schedules._util import vector_lanes  # pylint: disable=import-outside-toplevel
 
+    padding = [int(p) for p in attrs.padding]
+    lanes = vector_lanes(tvm.target.Target.current(), "float32")
+    grids = {m: tile_grid(dshape[2], dshape[3], padding, m, lanes) for m in FORMS.values()}
+    (oh, ow), _, _ = grids[2]
+    if oh < 1 or ow < 1:
+        return None
     images = dshape[0] if isinstance(dshape[0], int) else 1
     return {
         "data_shape": dshape,
@@ -349,8 +351,9 @@ def eligible_conv(call: relax.Call) -> dict | None:
         "padding": padding,
         "channels_in": dshape[1],
         "channels_out": wshape[0],
-        "tiles": {m: images * math.ceil(oh / m) * math.ceil(ow / m) for m in FORMS.values()},
-        "lanes": vector_lanes(tvm.target.Target.current(), "float32"),
+        "images": images,
+        "tiles": {m: images * nh * nw for m, (_, (nh, nw), _) in grids.items()},
+        "lanes": lanes,
     }
 
 
@@ -388,5 +391,5 @@ def _gemm_cols(conv: dict, m: int) -> int:
     target = tvm.target.Target.current()
     if target is None:
         return nw
-    images = dshape[0] if isinstance(dshape[0], int) else 1
-    return gemm_tile_columns(nw, nw_v, conv["channels_in"], conv["channels_out"], images * nh, target)
+    rows = conv["images"] * nh
+    return gemm_tile_columns(nw, nw_v, conv["channels_in"], conv["channels_out"], rows, target)

@@ -239,7 +239,7 @@ def channels_last_model(mod: tvm.IRModule) -> bool:
 
 def _channels_last_convs(func: relax.Function) -> tuple[int, int]:
     """(2-D convs, those next to one of the model's NCHW <-> NHWC permutes) in ``func``."""
-    values = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+    values = relax.analysis.get_var2val(func)
     users = binding_users(func)
 
     def permute_axes(value):

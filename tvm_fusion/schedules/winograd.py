@@ -183,9 +183,9 @@ def gemm_tile_columns(
         tile_cycles = cost * fma_cycles + TILE_OVERHEAD_CYCLES + acc  # + set-up, a store per accumulator
         return tile_cycles / fma_cycles * cols / tile_cols
 
-    widest = max(tile_cols, max_cols)
-    best = min(range(tile_cols, widest + 1), key=priced)
-    return best if priced(best) < MIN_PADDED_GAIN * priced(tile_cols) else tile_cols
+    costs = {cols: priced(cols) for cols in range(tile_cols, max(tile_cols, max_cols) + 1)}
+    best = min(costs, key=costs.get)
+    return best if costs[best] < MIN_PADDED_GAIN * costs[tile_cols] else tile_cols
 
 
 class Winograd(CpuRule):
