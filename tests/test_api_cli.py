@@ -118,6 +118,29 @@ def test_cli_build_conv_algorithm_direct_turns_winograd_off(tmp_path, monkeypatc
     assert winograd[0] > 0 and winograd[1] == 0
 
 
+def test_cli_build_strassen_switch(tmp_path, monkeypatch):
+    """A 64 x 96 -> 128 linear is below the Strassen size rule: plain by default, Strassen with
+    --strassen on, plain with off."""
+    import tvm_fusion.cli as cli
+
+    g = models.GraphBuilder("lin", 0)
+    src, built = tmp_path / "lin.onnx", []
+    onnx.save(g.finish([g.linear(g.input("x", (1, 64, 96)), 96, 128)]), src)
+    monkeypatch.setattr(cli, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    for flag in ([], ["--strassen", "on"], ["--strassen", "off"]):
+        out = tmp_path / f"lin{len(built)}.so"
+        assert main(["build", str(src), "-o", str(out), "--no-tuning-logs", *flag]) == 0
+    strassen = [
+        sum(
+            "tvm_fusion.strassen" in f.script()
+            for _, f in r.lowered.functions_items()
+            if isinstance(f, tvm.tirx.PrimFunc)
+        )
+        for r in built
+    ]
+    assert strassen == [0, 1, 0]
+
+
 def test_cli_explain_names_groups(capsys):
     assert main(["explain", "transformer_block"]) == 0
     text = capsys.readouterr().out

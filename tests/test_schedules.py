@@ -22,6 +22,7 @@ from tvm_fusion.schedules import (
     ParallelFallback,
     PlainReduction,
     RowReduction,
+    Strassen,
     TunableMatmul,
     WindowReduction,
     Winograd,
@@ -838,6 +839,7 @@ def test_default_rules_per_target():
     assert [type(r) for r in cpu] == [
         WindowReduction,
         Winograd,
+        Strassen,
         Depthwise,
         PlainReduction,
         Contraction,

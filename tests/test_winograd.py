@@ -380,7 +380,7 @@ def test_tuning_summary_counts_only_built_kernels():
 
 def test_a_winograd_kernel_the_rule_declines_is_reported_and_still_right(monkeypatch, caplog):
     # a fused kernel the Winograd schedule cannot take runs correctly but ~25x slower: say so
-    from tvm_fusion.schedules import winograd
+    from tvm_fusion.schedules import staged, winograd
 
     monkeypatch.setattr(winograd, "_WARNED", set())
     model = _conv_model(8, 32, 9, 1, "relu")
@@ -394,7 +394,7 @@ def test_a_winograd_kernel_the_rule_declines_is_reported_and_still_right(monkeyp
         return [r.getMessage() for r in caplog.records if "Winograd conv" in r.getMessage()]
 
     assert build_and_count() == []  # the rule takes it: nothing to say
-    monkeypatch.setattr(winograd, "elementwise_epilogue", lambda sch, block: None)
+    monkeypatch.setattr(staged, "elementwise_epilogue", lambda sch, block: None)
     warnings = build_and_count()
     assert len(warnings) == 1 and "conv2d_nchw/1x8x9x9/32x8x3x3" in warnings[0], warnings
     assert build_and_count() == []  # once per conv shape

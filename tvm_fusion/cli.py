@@ -94,6 +94,7 @@ def cmd_build(args) -> int:
         device_key=args.device_key,
         **_pipeline_options(args),
         **({} if args.conv_algorithm == "auto" else {"conv_algorithms": args.conv_algorithm}),
+        **({} if args.strassen == "auto" else {"strassen": args.strassen == "on"}),
     )
     out = Path(args.output or f"{imported.name}.{target.kind.name}.so")
     result.export(out)
@@ -226,6 +227,13 @@ def make_parser() -> argparse.ArgumentParser:
         default="auto",
         help="3x3 stride-1 convs on CPU: auto (tuning's choice, else the cost rule) or one for all; "
         "direct has the smallest rounding error (F(4)'s is 2-4x the direct conv's)",
+    )
+    b.add_argument(
+        "--strassen",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="float32 matmuls by a constant weight on CPU by one level of Strassen (7 block products "
+        "instead of 8): auto (where the measured size rule says), on (every eligible one) or off",
     )
     b.add_argument(
         "--shape-bucket",

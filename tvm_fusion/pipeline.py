@@ -55,6 +55,7 @@ modules with symbolic shapes: see ``MarkSingleBufferNoAlias``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import tvm
@@ -63,6 +64,7 @@ from tvm import relax
 from .errors import TvmFusionError, last_line
 from .legalize import LegalizeOps
 from .legalize import register as register_legalizations
+from .legalize.strassen_matmul import strassen as strassen_scope
 from .legalize.winograd_conv import conv_algorithms as conv_algorithm_scope
 from .passes import (
     ApplyFusionPolicy,
@@ -140,6 +142,7 @@ def pipeline_stages(
     schedule: bool = True,
     database=None,
     conv_algorithms: dict | str | None = None,
+    strassen: bool | None = None,
 ) -> PipelineStages:
     """The passes of :func:`pipeline`, by stage (see :func:`pipeline_passes` for the options)."""
     target = parse_target(target)
@@ -187,7 +190,7 @@ def pipeline_stages(
     fuse = [ApplyFusionPolicy(policy, target)] if fusion else []
     fuse += [
         LowerAttention(target),
-        _legalize(conv_algorithms),
+        _legalize(conv_algorithms, strassen),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseTIR(),
@@ -230,19 +233,28 @@ def pipeline_passes(
         How eligible 3x3 convs are computed on CPU (``legalize/winograd_conv.py``): a dict from conv
         signature to ``"direct"`` / ``"winograd2"`` / ``"winograd4"`` (what tuning measured; others
         by the cost rule), one of those names for all, or None (the cost rule).
+    strassen : bool | None
+        Whether large float32 matmuls by a constant weight are computed by one level of Strassen on
+        CPU (``legalize/strassen_matmul.py``): True for every eligible one, False for none, None
+        where its size rule says so.
     """
     return pipeline_stages(target, policy, **options).passes()
 
 
-def _legalize(conv_algorithms) -> tvm.transform.Pass:
-    """Our ``LegalizeOps`` with the conv-algorithm decision in scope (none set when None, so a
-    caller's own ``winograd_conv.conv_algorithms`` block still applies)."""
-    if conv_algorithms is None:
+def _legalize(conv_algorithms, strassen) -> tvm.transform.Pass:
+    """Our ``LegalizeOps`` with the conv-algorithm and Strassen decisions in scope (none set when
+    None, so a caller's own ``winograd_conv.conv_algorithms`` / ``strassen_matmul.strassen`` block
+    still applies)."""
+    if conv_algorithms is None and strassen is None:
         return LegalizeOps()
 
     @tvm.transform.module_pass(opt_level=0, name="LegalizeOps")
     def _run(mod, _ctx):
-        with conv_algorithm_scope(conv_algorithms):
+        with contextlib.ExitStack() as scopes:
+            if conv_algorithms is not None:
+                scopes.enter_context(conv_algorithm_scope(conv_algorithms))
+            if strassen is not None:
+                scopes.enter_context(strassen_scope(strassen))
             return LegalizeOps()(mod)
 
     return _run

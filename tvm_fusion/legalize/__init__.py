@@ -12,6 +12,8 @@
   polyphase padded input and whole output vectors (stride-2 windows without gathers).
 * ``strided_pointwise_conv``: 1×1 NCHW conv2d with a stride on LLVM CPUs as a subsample stage and
   a stride-1 conv (a GEMM over the contiguous plane, no gathers).
+* ``strassen_matmul``: large float32 matmuls by a constant weight on LLVM CPUs by one level of
+  Strassen (7 block products instead of 8), where the size rule or the caller's choice says so.
 
 :func:`register` installs them (the pipeline and ``RewriteLayout`` call it).
 
@@ -33,7 +35,15 @@ import tvm
 from tvm import relax
 from tvm.ir import Op
 
-from . import depthwise_conv, fast_exp, fast_gelu, nchwc_conv, strided_pointwise_conv, winograd_conv
+from . import (
+    depthwise_conv,
+    fast_exp,
+    fast_gelu,
+    nchwc_conv,
+    strassen_matmul,
+    strided_pointwise_conv,
+    winograd_conv,
+)
 
 LEVEL = 21  # above TVM's own registrations (level 10)
 
@@ -96,6 +106,7 @@ def register() -> None:
     """Install every legalization of this package (idempotent)."""
     override_legalization("relax.nn.conv2d", _legalize_conv2d, always=True)
     override_legalization("relax.nn.gelu", fast_gelu.legalize_gelu_if_enabled)
+    override_legalization("relax.matmul", strassen_matmul.legalize_matmul_strassen)
     for op_name, lower in fast_exp.lowerings().items():
         override_legalization(op_name, lower)
 

@@ -45,6 +45,7 @@ from tvm import relax, te, tirx
 from tvm.topi.nn import winograd_util
 
 from .conv_args import cpu_float32_nchw_conv, padded_width
+from .selected_sums import selected_sums
 
 STAGE = "tvm_fusion.winograd"  # block annotation: weight / pad / input_rows / input / gemm / output
 TILE = "tvm_fusion.winograd_tile"  # block annotation on every stage: m
@@ -70,39 +71,6 @@ def separable_input_transform(m: int) -> bool:
     nnz = (b_mat != 0).sum(axis=0)  # non-zeros per column of B
     alpha = m + 2
     return 2 * alpha * int(nnz.sum()) < int(nnz.sum()) ** 2
-
-
-def _weighted_sum(terms, dtype):
-    """Σ coef · value over the terms with a non-zero coefficient (±1 without a multiply)."""
-    total = None
-    for coef, value in terms:
-        if coef == 0:
-            continue
-        if coef == 1:
-            term = value
-        elif coef == -1:
-            term = -value
-        else:
-            term = value * tirx.const(float(coef), dtype)
-        total = term if total is None else total + term
-    return tirx.const(0.0, dtype) if total is None else total
-
-
-def _select(index_vars, cases: dict, dtype):
-    """``cases[(i, j)]`` for the (constant) values of the index expressions, as a Select chain
-    that folds to one case once the indices are constants (unrolled loops)."""
-    keys = list(cases)
-    expr = cases[keys[-1]]
-    for key in reversed(keys[:-1]):
-        cond = functools.reduce(tirx.all, [v == k for v, k in zip(index_vars, key)])
-        expr = tirx.Select(cond, cases[key], expr)
-    return expr
-
-
-def _selected_sums(index_vars, keys, terms, dtype):
-    """``Σ terms(*key)`` for the key the index expressions equal: every transform stage is one
-    weighted sum per case (matrix entry), chosen by :func:`_select`."""
-    return _select(index_vars, {key: _weighted_sum(terms(*key), dtype) for key in keys}, dtype)
 
 
 def tile_grid(height: int, width: int, padding, m: int, lanes: int):
@@ -174,7 +142,7 @@ def winograd_conv2d_nchw(
                 for j in range(3)
             ]
 
-        return _selected_sums((e, nu), points, terms, "float64").astype(dtype)
+        return selected_sums((e, nu), points, terms, "float64").astype(dtype)
 
     u = te.compute(
         (alpha, alpha, c_, k_), weight_transform, name="winograd_weight", attrs={STAGE: "weight", **ann}
@@ -194,7 +162,7 @@ def winograd_conv2d_nchw(
             def terms(ii, ni):
                 return [(b_mat[j, ni], window(b, c, ty, tx, ii, j)) for j in range(alpha)]
 
-            return _selected_sums((i, nu), points, terms, dtype)
+            return selected_sums((i, nu), points, terms, dtype)
 
         rows_v = te.compute(
             (alpha, alpha, c_, n_, nh, nw_v),
@@ -207,7 +175,7 @@ def winograd_conv2d_nchw(
             def terms(ei):
                 return [(b_mat[i, ei], rows_v[i, nu, c, b, ty, tx]) for i in range(alpha)]
 
-            return _selected_sums((e,), [(ei,) for ei in range(alpha)], terms, dtype)
+            return selected_sums((e,), [(ei,) for ei in range(alpha)], terms, dtype)
 
     else:
 
@@ -219,7 +187,7 @@ def winograd_conv2d_nchw(
                     for j in range(alpha)
                 ]
 
-            return _selected_sums((e, nu), points, terms, dtype)
+            return selected_sums((e, nu), points, terms, dtype)
 
     v = te.compute(
         (alpha, alpha, c_, n_, nh, nw_v),
@@ -243,7 +211,7 @@ def winograd_conv2d_nchw(
                 for nu in range(alpha)
             ]
 
-        return _selected_sums((h % m, w % m), itertools.product(range(m), repeat=2), terms, dtype)
+        return selected_sums((h % m, w % m), itertools.product(range(m), repeat=2), terms, dtype)
 
     return te.compute(
         (n_, k_, oh, ow), output_transform, name="winograd_output", attrs={STAGE: "output", **ann}

@@ -8,6 +8,7 @@ from .fallback import ParallelFallback
 from .injective import Injective
 from .pool import WindowReduction
 from .reduction import PlainReduction, RowReduction
+from .strassen import Strassen
 from .winograd import Winograd
 
 
@@ -15,6 +16,7 @@ def cpu_rules(prepack: bool = True) -> list:
     return [
         WindowReduction(),
         Winograd(prepack=prepack),
+        Strassen(prepack=prepack),
         Depthwise(),
         PlainReduction(),
         Contraction(prepack=prepack),
@@ -31,6 +33,7 @@ __all__ = [
     "ParallelFallback",
     "PlainReduction",
     "RowReduction",
+    "Strassen",
     "WindowReduction",
     "Winograd",
     "cpu_rules",

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import math
 
-import tvm
 from tvm import tirx
-from tvm.sym import Analyzer
 from tvm.target import Target
 
 from ..legalize.winograd_conv import SIGNATURE, STAGE, TILE
@@ -42,7 +40,6 @@ from ._util import (
     LAYOUT_REWRITE_PREPROC,
     CpuRule,
     divisors_upto,
-    elementwise_epilogue,
     int_extent,
     logger,
     num_cores,
@@ -54,6 +51,7 @@ from ._util import (
 )
 from .contraction import TILE_OVERHEAD_CYCLES
 from .knobs import Knobs
+from .staged import inline_epilogue, layout_free_params, read_index
 
 MAX_ROWS = 8
 MAX_PLAN_CHOICES = 12
@@ -64,49 +62,6 @@ MIN_PADDED_GAIN = 0.9  # GEMM tile columns padded only for a 10 % cheaper micro-
 
 
 _WARNED: set[str] = set()
-
-
-def _domain(sch, block) -> list[int | None]:
-    """The extents of ``block``'s iterators, None where symbolic."""
-    extents = [iv.dom.extent for iv in sch.get(block).iter_vars]
-    return [int(e) if isinstance(e, tirx.IntImm) else None for e in extents]
-
-
-def _iterate_as_output(sch, chain: list, dims: list[int | None]) -> bool:
-    """Make the last block of the epilogue ``chain`` iterate over the conv's output
-    ``[b, k, h, w]`` (``dims``), which the task tiling below splits. A reshape at the end of the
-    chain (a GroupNorm's grouped view of the conv's output, ``[N, G, C/G, H, W]`` as BiT's
-    GroupNorm(32) gives it, or ``[N, 1, C·H·W]`` for one group) iterates over its own shape; it
-    is re-indexed in row-major order, which changes only the order of its iterations, not what
-    each one writes. A last block of the output's rank is taken as it is (a crop, a bias add).
-    Re-indexed only when every other block iterates over ``dims`` and the last one over another
-    rank (only views change the rank; a transpose after the reshape would be a block of its own,
-    not over ``dims``) with as many points, all static; else False."""
-    own = _domain(sch, chain[-1])
-    if len(own) == len(dims):
-        return True
-    if any(_domain(sch, blk) != dims for blk in chain[:-1]):
-        return False
-    if None in own or None in dims or math.prod(own) != math.prod(dims):
-        return False
-    block = chain[-1]
-
-    def row_major(*old):
-        # simplified per dim (k = g * C/G + j // HW, not (g * C/G * HW + j) // HW): the inverse
-        # TVM derives from it then indexes the conv's output plainly, which compute_at needs
-        analyzer = Analyzer()
-        flat = 0
-        for var, extent in zip(old, own):
-            analyzer.bind(var, tvm.ir.Range(0, extent))
-            flat = flat * extent + var
-        new = []
-        for extent in reversed(dims):
-            new.append(analyzer.simplify(flat % extent))
-            flat = flat // extent
-        return new[::-1]
-
-    sch.transform_block_layout(block, tirx.IndexMap.from_func(row_major, ndim=len(own)))
-    return True
 
 
 def _warn_declined(signature: str) -> None:
@@ -122,11 +77,6 @@ def _warn_declined(signature: str) -> None:
             "slowly; build with conv_algorithms='direct' and report the model",
             signature,
         )
-
-
-def _layout_free_params(func) -> set:
-    idx = func.attrs.get("layout_free_buffers") if func.attrs is not None else None
-    return {func.params[int(i)] for i in idx} if idx else set()
 
 
 def micro_kernel_plans(channels_out: int, tile_cols: int, tasks_outer: int, target: Target) -> list:
@@ -232,27 +182,14 @@ class Winograd(CpuRule):
 
         # ---- the epilogue chain: one block reading M (output transform inlined) -------------
         output = stages["output"]
-        epilogue = elementwise_epilogue(sch, output) if sch.get_consumers(output) else []
-        if epilogue is None:
+        inlined = inline_epilogue(sch, output)
+        if inlined is None:
             return None
-        chain = [output, *epilogue]
-        if not _iterate_as_output(sch, chain, _domain(sch, output)):
-            return None
-        # a value feeding two blocks (SiLU's x * sigmoid(x)) stays a stage: inlined, the output
-        # transform (a select over the tile's m x m positions of sums of up to α² terms) would be
-        # copied into every use, and LLVM took 15 s instead of 1.6 s on one 192->96 32x32 conv
-        shared = {sch.get(b).name_hint for b in chain[:-1] if len(sch.get_consumers(b)) > 1}
-        kept = [  # in program order: each is computed under its consumers' loops
-            b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint in shared
-        ]
-        for blk in chain[:-1]:
-            if sch.get(blk).name_hint not in shared:
-                sch.compute_inline(blk)
-        final = chain[-1]
+        final, kept = inlined
         # ---- weight transform: compile-time preproc (constant weight) or a parallel stage -----
         weight_blk = stages["weight"]
         weight_param = sch.get(weight_blk).reads[0].source
-        u_buf_index = _read_index(sch, gemm, sch.get(weight_blk).writes[0].source)
+        u_buf_index = read_index(sch, gemm, sch.get(weight_blk).writes[0].source)
         # U panel [e, nu, k / vt, c, vt]: the micro-kernel's vector loads walk it contiguously
         sch.transform_layout(
             gemm,
@@ -266,7 +203,7 @@ class Winograd(CpuRule):
             ("read", 1 - u_buf_index),
             tirx.IndexMap.from_func(lambda e, nu, c, b, ty, tx: [e, nu, b, ty, c, tx], ndim=6),
         )
-        if self.prepack and weight_param in _layout_free_params(func):
+        if self.prepack and weight_param in layout_free_params(func):
             sch.annotate(weight_blk, LAYOUT_REWRITE_PREPROC, True)
         else:
             schedule_injective_block(sch, weight_blk, target)
@@ -377,10 +314,3 @@ def _blocks_per_task(alpha, channels_out, rows, tile_cols, vt, rt, target) -> li
     ]
     best = fits[-1] if fits else 1
     return [best] + ([1] if best != 1 else [])
-
-
-def _read_index(sch, block, buf) -> int:
-    for i, region in enumerate(sch.get(block).reads):
-        if region.source.same_as(buf):
-            return i
-    raise ValueError("buffer not read by block")

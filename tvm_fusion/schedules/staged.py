@@ -1,0 +1,95 @@
+"""Helpers for the kernels our legalizations write in stages (Winograd conv, Strassen matmul).
+
+Such a kernel ends with an ``output`` block that computes the op's result from a small
+intermediate; FuseTIR appends the fused epilogue (bias, activation, residual add) after it. The
+schedules inline the whole chain into its last block, tile that block into parallel tasks and
+compute the intermediate under each task, so it never goes to memory at full size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import tirx
+from tvm.sym import Analyzer
+
+from ._util import elementwise_epilogue
+
+
+def static_domain(sch, block) -> list[int | None]:
+    """The extents of ``block``'s iterators, None where symbolic."""
+    extents = [iv.dom.extent for iv in sch.get(block).iter_vars]
+    return [int(e) if isinstance(e, tirx.IntImm) else None for e in extents]
+
+
+def iterate_as_output(sch, chain: list, dims: list[int | None]) -> bool:
+    """Make the last block of the epilogue ``chain`` iterate over the op's output (``dims``: a
+    conv's ``[b, k, h, w]``), which the schedule's task tiling splits. A reshape at the end of the
+    chain (a GroupNorm's grouped view of the conv's output, ``[N, G, C/G, H, W]`` as BiT's
+    GroupNorm(32) gives it, or ``[N, 1, C·H·W]`` for one group) iterates over its own shape; it
+    is re-indexed in row-major order, which changes only the order of its iterations, not what
+    each one writes. A last block of the output's rank is taken as it is (a crop, a bias add).
+    Re-indexed only when every other block iterates over ``dims`` and the last one over another
+    rank (only views change the rank; a transpose after the reshape would be a block of its own,
+    not over ``dims``) with as many points, all static; else False."""
+    own = static_domain(sch, chain[-1])
+    if len(own) == len(dims):
+        return True
+    if any(static_domain(sch, blk) != dims for blk in chain[:-1]):
+        return False
+    if None in own or None in dims or math.prod(own) != math.prod(dims):
+        return False
+    block = chain[-1]
+
+    def row_major(*old):
+        # simplified per dim (k = g * C/G + j // HW, not (g * C/G * HW + j) // HW): the inverse
+        # TVM derives from it then indexes the conv's output plainly, which compute_at needs
+        analyzer = Analyzer()
+        flat = 0
+        for var, extent in zip(old, own):
+            analyzer.bind(var, tvm.ir.Range(0, extent))
+            flat = flat * extent + var
+        new = []
+        for extent in reversed(dims):
+            new.append(analyzer.simplify(flat % extent))
+            flat = flat // extent
+        return new[::-1]
+
+    sch.transform_block_layout(block, tirx.IndexMap.from_func(row_major, ndim=len(own)))
+    return True
+
+
+def inline_epilogue(sch, output) -> tuple | None:
+    """Inline ``output`` and its elementwise epilogue into the chain's last block: ``(final,
+    kept)``, the block that writes the result and the blocks left as stages (in program order,
+    for the caller to compute under ``final``'s loops), or None when the epilogue is not an
+    elementwise chain over the output's shape (``iterate_as_output``). A value feeding two
+    blocks (SiLU's ``x * sigmoid(x)``) stays a stage: inlined, the output's sums would be copied
+    into every use (LLVM took 15 s instead of 1.6 s on one Winograd conv)."""
+    epilogue = elementwise_epilogue(sch, output) if sch.get_consumers(output) else []
+    if epilogue is None:
+        return None
+    chain = [output, *epilogue]
+    if not iterate_as_output(sch, chain, static_domain(sch, output)):
+        return None
+    shared = {sch.get(b).name_hint for b in chain[:-1] if len(sch.get_consumers(b)) > 1}
+    kept = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint in shared]
+    for blk in chain[:-1]:
+        if sch.get(blk).name_hint not in shared:
+            sch.compute_inline(blk)
+    return chain[-1], kept
+
+
+def layout_free_params(func) -> set:
+    """The params of ``func`` marked layout-free (constant weights a schedule may repack)."""
+    idx = func.attrs.get("layout_free_buffers") if func.attrs is not None else None
+    return {func.params[int(i)] for i in idx} if idx else set()
+
+
+def read_index(sch, block, buf) -> int:
+    """The position of ``buf`` among ``block``'s reads."""
+    for i, region in enumerate(sch.get(block).reads):
+        if region.source.same_as(buf):
+            return i
+    raise ValueError("buffer not read by block")

@@ -1,0 +1,204 @@
+"""CPU schedule for the Strassen matmul kernels ``legalize/strassen_matmul.py`` writes (+ epilogue).
+
+The stages are found by their ``tvm_fusion.strassen`` block annotations:
+
+* ``weight`` (the 7 sums of B's blocks): written straight into the micro-kernel's packed layout
+  ``[j / vt, p, r, vt]`` (a task's 7 weight panels are one contiguous stream) and, for a
+  constant weight (``layout_free_buffers``), marked a layout-rewrite preproc, so
+  ``SplitLayoutRewritePreproc`` + ``FoldConstant`` compute it at compile time; otherwise a
+  parallel stage (correct, slower);
+* ``input`` (the 7 sums of A's blocks): a root stage, parallel over rows, the 7 sums unrolled,
+  vectorized along the reduction;
+* ``output`` (C's four blocks) with ``view`` inlined into it: tiled into parallel tasks of ``rt``
+  rows x ``vt`` columns of each of the four blocks. Each task first computes its 7 product
+  tiles (``gemm``: per product a register micro-kernel of rt x vt accumulators over the
+  reduction, stored to a 7 x rt x vt buffer that stays in L1), then the four blocks' tiles
+  from them (unrolled: the selection of the block sums folds), each followed by the fused
+  epilogue (bias, activation, residual add) on that tile.
+
+Tunable decision (:mod:`.knobs`): ``plan``, the micro-kernel cost model's n-th best (vt, rt)
+(Winograd's: the same register GEMM, rt rows broadcast, vt columns of packed weight vectors).
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.target import Target
+
+from ..legalize.strassen_matmul import SIGNATURE, STAGE
+from ._util import (
+    LAYOUT_REWRITE_PREPROC,
+    CpuRule,
+    elementwise_epilogue,
+    int_extent,
+    logger,
+    safe_rule,
+    stage_blocks,
+    try_primitive,
+    vector_lanes,
+)
+from .fallback import schedule_nest
+from .knobs import Knobs
+from .staged import iterate_as_output, layout_free_params, read_index, static_domain
+from .winograd import micro_kernel_plans
+
+MAX_PLAN_CHOICES = 8
+STAGES = {"weight", "input", "gemm", "output", "view"}
+
+_WARNED: set[str] = set()
+
+
+class Strassen(CpuRule):
+    """The Strassen matmul schedule (see module docstring); declines anything else."""
+
+    def __init__(self, prepack: bool = True, knobs: dict[str, int] | None = None):
+        self.prepack = prepack
+        self.knobs = dict(knobs or {})
+        self.last_knobs: Knobs | None = None
+
+    @safe_rule
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        opened = self.staged(func, target, STAGE)
+        if opened is None or "gemm" not in opened[1]:
+            return None  # not a kernel the Strassen legalization wrote
+        sch, stages = opened
+        scheduled = self._schedule(sch, stages, func, target, tunable) if set(stages) == STAGES else None
+        if scheduled is None:
+            _warn_declined(str(sch.get(stages["gemm"]).annotations.get(SIGNATURE, "?")))
+            return _plain_schedule(func, target)
+        return scheduled
+
+    @safe_rule
+    def _schedule(self, sch, stages, func, target, tunable):
+        knobs = self.last_knobs = Knobs(self.knobs, tunable)
+        gemm = stages["gemm"]
+        extents = [int_extent(sch, lp) for lp in sch.get_loops(gemm)]
+        if None in extents:
+            return None
+        _, m, n, _ = extents
+        plans = micro_kernel_plans(n, m, 1, target)
+        if not plans:
+            return None
+        vt, rt, cost = plans[knobs.choose(sch, "plan", min(len(plans), MAX_PLAN_CHOICES))]
+        logger.debug(
+            "Strassen %s: vt %d rt %d cost %.2f", sch.get(gemm).annotations.get(SIGNATURE), vt, rt, cost
+        )
+        lanes = vector_lanes(target, "float32")
+
+        # C's blocks (``output``, iterating over (.., block row, row, block column, column)) write
+        # the kernel's result: the view is inlined into them (its inverse index is affine)
+        anchor = stages["output"]
+        dims = static_domain(sch, stages["view"])
+        sch.reverse_compute_inline(stages["view"])
+        # the fused epilogue: inlined into its last block but for a value two blocks read (GELU's
+        # x), all computed per tile right after C's blocks (reading them plainly, r = qr·m + i)
+        epilogue = elementwise_epilogue(sch, anchor) if sch.get_consumers(anchor) else []
+        if epilogue is None or (epilogue and not iterate_as_output(sch, epilogue, dims)):
+            return None
+        shared = {sch.get(b).name_hint for b in epilogue[:-1] if len(sch.get_consumers(b)) > 1}
+        for blk in epilogue[:-1]:
+            if sch.get(blk).name_hint not in shared:
+                sch.compute_inline(blk)
+        after = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint in shared]
+        after += epilogue[-1:]
+
+        # ---- weight sums: packed [j / vt, p, r, vt] (a task's 7 panels one contiguous stream), ---
+        # at compile time when the weight is a constant
+        weight_blk = stages["weight"]
+        weight_param = sch.get(weight_blk).reads[0].source
+        sch.transform_layout(
+            gemm,
+            ("read", read_index(sch, gemm, sch.get(weight_blk).writes[0].source)),
+            tirx.IndexMap.from_func(lambda p, r, j: [j // vt, p, r, j % vt], ndim=3),
+        )
+        if self.prepack and weight_param in layout_free_params(func):
+            sch.annotate(weight_blk, LAYOUT_REWRITE_PREPROC, True)
+        else:
+            _schedule_block_sums(sch, weight_blk, lanes)
+
+        # ---- tasks: rt rows x vt columns of C's four blocks (+ epilogue) -------------------------
+        *lead, q_row, i, q_col, j = sch.get_loops(anchor)
+        i_o, i_i = sch.split(i, factors=[None, rt])
+        j_o, j_i = sch.split(j, factors=[None, vt])
+        # column blocks outermost: a thread's consecutive tasks share the weight panels (7 x
+        # depth/2 x vt), which then stay in L2 across the row tiles
+        sch.reorder(*lead, j_o, i_o, q_row, q_col, i_i, j_i)
+        task = sch.fuse(*lead, j_o, i_o)
+        sch.parallel(task)
+        sch.unroll(q_row)
+        sch.unroll(q_col)  # the block sums' selection folds
+        _vectorize_tile_row(sch, anchor, vt, lanes)
+        for blk in after:  # per block tile: its rows are one box of the result (not so the task's)
+            sch.reverse_compute_at(blk, q_col, preserve_unit_loops=True)
+            _vectorize_tile_row(sch, blk, vt, lanes)
+
+        # ---- the 7 products under the task: a register micro-kernel each -----------------------
+        sch.compute_at(gemm, task, preserve_unit_loops=True)
+        p_l, i_l, j_l, r_l = sch.get_loops(gemm)[-4:]
+        j_m = None
+        if vt > lanes and vt % lanes == 0:
+            j_m, j_l = sch.split(j_l, factors=[None, lanes])
+        sch.reorder(p_l, r_l, i_l, *([j_m] if j_m is not None else []), j_l)
+        # accumulators of one product in registers; the task's 7 x rt x vt products in L1
+        acc = sch.cache_write(gemm, 0, "local")
+        sch.reverse_compute_at(acc, p_l, preserve_unit_loops=True)
+        try_primitive(sch.vectorize, sch.split(sch.get_loops(acc)[-1], factors=[None, lanes])[1])
+        sch.unroll(i_l)
+        if j_m is not None:
+            sch.unroll(j_m)
+        sch.vectorize(j_l)
+        init = sch.decompose_reduction(gemm, r_l)
+        try_primitive(sch.vectorize, sch.get_loops(init)[-1])
+
+        _schedule_block_sums(sch, stages["input"], lanes)  # A's block sums
+        return sch
+
+
+def _warn_declined(signature: str) -> None:
+    """Say so (once per shape and process) when a kernel the Strassen legalization wrote is not
+    one this rule can schedule: it then gets a correct, slow schedule (the weight sums at every
+    call, the products in memory)."""
+    if signature not in _WARNED:
+        _WARNED.add(signature)
+        logger.warning(
+            "Strassen matmul %s: the Strassen schedule does not apply to its fused kernel, which will "
+            "run slowly; build with strassen=False and report the model",
+            signature,
+        )
+
+
+def _vectorize_tile_row(sch, block, vt: int, lanes: int) -> None:
+    """Vectorize the innermost loop of a tile (``vt`` columns), in SIMD-register pieces."""
+    inner = sch.get_loops(block)[-1]
+    if int_extent(sch, inner) == vt and vt > lanes and vt % lanes == 0:
+        pieces, inner = sch.split(inner, factors=[None, lanes])
+        sch.unroll(pieces)
+    try_primitive(sch.vectorize, inner)
+
+
+def _schedule_block_sums(sch, block, lanes: int) -> None:
+    """A stage of block sums ``[p, a, b]`` (A's or B's): parallel over ``a``, the 7 sums unrolled
+    (their selection folds), vectorized along ``b``. (Parallel and vectorized with ``p`` a loop,
+    the selection between the sums crashed at run time in this TVM.)"""
+    p_l, a_l, b_l = sch.get_loops(block)
+    sch.reorder(a_l, p_l, b_l)
+    sch.parallel(a_l)
+    sch.unroll(p_l)
+    if int_extent(sch, b_l) % lanes == 0:
+        sch.vectorize(sch.split(b_l, factors=[None, lanes])[1])
+
+
+def _plain_schedule(func, target):
+    """A correct, slow schedule for a Strassen kernel this rule could not take (the rules after
+    it met the block sums with schedules that crashed): the block sums as above, every other
+    stage by ``ParallelFallback``'s loop nests."""
+    sch = s_tir.Schedule(func)
+    stages = stage_blocks(sch, STAGE)
+    lanes = vector_lanes(target, "float32")
+    for name in ("weight", "input"):
+        if name in stages:
+            _schedule_block_sums(sch, stages[name], lanes)
+    for blk in sch.get_child_blocks(sch.get_sblock("root")):
+        if sch.get(blk).annotations.get(STAGE) not in ("weight", "input"):
+            try_primitive(schedule_nest, sch, blk, target)
+    return sch
