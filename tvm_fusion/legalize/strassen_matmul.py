@@ -88,7 +88,7 @@ def default_use(rows: int, depth: int, columns: int) -> bool:
 
 
 def eligible_matmul(call: relax.Call) -> dict | None:
-    """``{"rows", "depth", "columns", "lead"}`` of a matmul Strassen can compute: float32, an LLVM
+    """``{"rows", "depth", "columns"}`` of a matmul Strassen can compute: float32, an LLVM
     target in scope, a 2-D ``[K, N]`` right operand, a left operand ``[1.., M, K]`` (one matrix),
     all static and even; else None."""
     target = tvm.target.Target.current(allow_none=True)
@@ -107,7 +107,7 @@ def eligible_matmul(call: relax.Call) -> dict | None:
     columns = w_shape[1]
     if rows % 2 or depth % 2 or columns % 2:
         return None
-    return {"rows": rows, "depth": depth, "columns": columns, "lead": len(lead)}
+    return {"rows": rows, "depth": depth, "columns": columns}
 
 
 def matmul_signature(rows: int, depth: int, columns: int) -> str:
@@ -134,9 +134,8 @@ def strassen_matmul(x: te.Tensor, w: te.Tensor, signature: str = "") -> te.Tenso
 
         return selected_sums((p,), [(q,) for q in range(7)], terms, dtype)
 
-    stage = lambda name: {STAGE: name}  # noqa: E731
-    t = te.compute((7, k2, n), weight, name="strassen_weight", attrs=stage("weight"))
-    s = te.compute((7, m, k2), input_sums, name="strassen_input", attrs=stage("input"))
+    t = te.compute((7, k2, n), weight, name="strassen_weight", attrs={STAGE: "weight"})
+    s = te.compute((7, m, k2), input_sums, name="strassen_input", attrs={STAGE: "input"})
     rk = te.reduce_axis((0, k2), name="rk")
     products = te.compute(
         (7, m, n),
@@ -155,12 +154,12 @@ def strassen_matmul(x: te.Tensor, w: te.Tensor, signature: str = "") -> te.Tenso
 
     # C by blocks, then viewed as the matmul's result: the block sums read the products plainly
     # (``P[p, i, j]``, not ``P[p, r mod m, c mod n]``), which the schedule's compute_at needs
-    blocks = te.compute((*lead, 2, m, 2, n), output, name="strassen_output", attrs=stage("output"))
+    blocks = te.compute((*lead, 2, m, 2, n), output, name="strassen_output", attrs={STAGE: "output"})
     return te.compute(
         (*lead, rows, columns),
         lambda *idx: blocks[(*idx[:-2], idx[-2] // m, idx[-2] % m, idx[-1] // n, idx[-1] % n)],
         name="strassen_view",
-        attrs=stage("view"),
+        attrs={STAGE: "view"},
     )
 
 

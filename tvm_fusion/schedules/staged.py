@@ -60,6 +60,26 @@ def iterate_as_output(sch, chain: list, dims: list[int | None]) -> bool:
     return True
 
 
+def drop_unit_dims(sch, block, dims: list[int | None]) -> bool:
+    """Make ``block`` iterate over ``dims`` when its own domain differs from it only by unit dims
+    (a ``[1, 128, 768]`` view of a ``[128, 768]`` result, as GPT-2's TorchScript export reshapes
+    its linear layers' output before the residual add): the same points in the same order, the
+    unit iterators dropped or added, so every index stays as plain as it was. False otherwise
+    (then nothing changed)."""
+    own = static_domain(sch, block)
+    if own == dims:
+        return True
+    if None in own or None in dims or [d for d in own if d != 1] != [d for d in dims if d != 1]:
+        return False
+
+    def without_units(*old):
+        kept = iter([var for var, extent in zip(old, own) if extent != 1])
+        return [0 if extent == 1 else next(kept) for extent in dims]
+
+    sch.transform_block_layout(block, tirx.IndexMap.from_func(without_units, ndim=len(own)))
+    return True
+
+
 def inline_epilogue(sch, output) -> tuple | None:
     """Inline ``output`` and its elementwise epilogue into the chain's last block: ``(final,
     kept)``, the block that writes the result and the blocks left as stages (in program order,

@@ -39,7 +39,7 @@ from ._util import (
 )
 from .fallback import schedule_nest
 from .knobs import Knobs
-from .staged import iterate_as_output, layout_free_params, read_index, static_domain
+from .staged import drop_unit_dims, iterate_as_output, layout_free_params, read_index, static_domain
 from .winograd import micro_kernel_plans
 
 MAX_PLAN_CHOICES = 8
@@ -65,7 +65,7 @@ class Strassen(CpuRule):
         scheduled = self._schedule(sch, stages, func, target, tunable) if set(stages) == STAGES else None
         if scheduled is None:
             _warn_declined(str(sch.get(stages["gemm"]).annotations.get(SIGNATURE, "?")))
-            return _plain_schedule(func, target)
+            return _plain_schedule(func, target, self.prepack)
         return scheduled
 
     @safe_rule
@@ -93,7 +93,11 @@ class Strassen(CpuRule):
         # the fused epilogue: inlined into its last block but for a value two blocks read (GELU's
         # x), all computed per tile right after C's blocks (reading them plainly, r = qr·m + i)
         epilogue = elementwise_epilogue(sch, anchor) if sch.get_consumers(anchor) else []
-        if epilogue is None or (epilogue and not iterate_as_output(sch, epilogue, dims)):
+        if epilogue is None or not all(drop_unit_dims(sch, blk, dims) for blk in epilogue[:-1]):
+            return None
+        if epilogue and not (
+            drop_unit_dims(sch, epilogue[-1], dims) or iterate_as_output(sch, epilogue, dims)
+        ):
             return None
         shared = {sch.get(b).name_hint for b in epilogue[:-1] if len(sch.get_consumers(b)) > 1}
         for blk in epilogue[:-1]:
@@ -188,17 +192,48 @@ def _schedule_block_sums(sch, block, lanes: int) -> None:
         sch.vectorize(sch.split(b_l, factors=[None, lanes])[1])
 
 
-def _plain_schedule(func, target):
-    """A correct, slow schedule for a Strassen kernel this rule could not take (the rules after
-    it met the block sums with schedules that crashed): the block sums as above, every other
-    stage by ``ParallelFallback``'s loop nests."""
+def _plain_schedule(func, target, prepack: bool = True):
+    """A correct, plainer schedule for a Strassen kernel this rule could not take (the rules
+    after it scheduled the block sums as above crashes, and left the products a serial nest,
+    60x slower): the weight sums at compile time where constant, the block sums as above, the
+    products a parallel register-tiled GEMM of their own (stored whole), every other stage by
+    ``ParallelFallback``'s loop nests."""
     sch = s_tir.Schedule(func)
     stages = stage_blocks(sch, STAGE)
     lanes = vector_lanes(target, "float32")
-    for name in ("weight", "input"):
-        if name in stages:
-            _schedule_block_sums(sch, stages[name], lanes)
+    weight = stages.get("weight")
+    if weight is not None:
+        if prepack and sch.get(weight).reads[0].source in layout_free_params(func):
+            sch.annotate(weight, LAYOUT_REWRITE_PREPROC, True)
+        else:
+            _schedule_block_sums(sch, weight, lanes)
+    if "input" in stages:
+        _schedule_block_sums(sch, stages["input"], lanes)
+    if "gemm" in stages:
+        try_primitive(_schedule_products, sch, stages["gemm"], lanes)
     for blk in sch.get_child_blocks(sch.get_sblock("root")):
-        if sch.get(blk).annotations.get(STAGE) not in ("weight", "input"):
+        if sch.get(blk).annotations.get(STAGE) not in ("weight", "input", "gemm"):
             try_primitive(schedule_nest, sch, blk, target)
     return sch
+
+
+def _schedule_products(sch, gemm, lanes: int) -> None:
+    """The 7 products as one parallel GEMM: tiles of 4 rows x 2 vectors (8 accumulators)."""
+    p_l, i_l, j_l, r_l = sch.get_loops(gemm)
+    rows = max(d for d in (1, 2, 4) if int_extent(sch, i_l) % d == 0)
+    vt = next((v for v in (2 * lanes, lanes) if int_extent(sch, j_l) % v == 0), None)
+    if vt is None:
+        return
+    i_o, i_i = sch.split(i_l, factors=[None, rows])
+    j_o, j_m, j_v = sch.split(j_l, factors=[None, vt // lanes, lanes])
+    sch.reorder(p_l, i_o, j_o, r_l, i_i, j_m, j_v)
+    task = sch.fuse(p_l, i_o, j_o)
+    sch.parallel(task)
+    acc = sch.cache_write(gemm, 0, "local")
+    sch.reverse_compute_at(acc, task)
+    try_primitive(sch.vectorize, sch.get_loops(acc)[-1])
+    sch.unroll(i_i)
+    sch.unroll(j_m)
+    sch.vectorize(j_v)
+    init = sch.decompose_reduction(gemm, r_l)
+    try_primitive(sch.vectorize, sch.get_loops(init)[-1])
