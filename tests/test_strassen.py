@@ -26,10 +26,12 @@ def _linear_model(rows, din, dout, epilogue, rank=3, seed=0):
     "gelu" (bias, erf GELU: the value read by two blocks), "residual" (bias, + a second input),
     "reshape" (bias, then a [.., heads, dout / heads] view, as GPT-2's attention inputs),
     "view_residual" (bias, a [1, rows, dout] view of the 2-D result, + a second input: GPT-2's
-    TorchScript export)."""
+    TorchScript export); "ln_<epilogue>": the same after a LayerNorm of x."""
     g = models.GraphBuilder("strassen", seed)
     lead = (1,) if rank == 3 else ()
     x = g.input("x", (*lead, rows, din))
+    if epilogue.startswith("ln_"):  # a LayerNorm in front (BART, BLOOM, OPT: fused into the GEMM)
+        x, epilogue = g.layer_norm(x, din), epilogue[3:]
     y = g.op("MatMul", [x, g.weight("w", (din, dout))])
     if epilogue != "none":
         y = g.add(y, g.const("b", (g.rng.standard_normal(dout) * 0.1).astype(np.float32)))
@@ -76,6 +78,20 @@ def _blocks(func) -> list:
     return found
 
 
+def _serial_root_loops(func) -> list:
+    """The loop nests at the top of ``func``'s root block whose first loop of more than one step
+    runs serially (unit loops skipped)."""
+    (root,) = [b for b in _blocks(func) if b.name_hint == "root"]
+    tops = list(root.body.seq) if isinstance(root.body, tirx.SeqStmt) else [root.body]
+    serial = []
+    for loop in tops:
+        while isinstance(loop, tirx.For) and int(loop.extent) == 1:
+            loop = loop.body
+        if isinstance(loop, tirx.For) and loop.kind != tirx.ForKind.PARALLEL:
+            serial.append(loop.loop_var.name)
+    return serial
+
+
 def _stages(func) -> set:
     return {str(b.annotations[STAGE]) for b in _blocks(func) if STAGE in b.annotations}
 
@@ -102,6 +118,7 @@ CASES = [  # rows, din, dout, epilogue, rank
     (24, 48, 80, "residual", 2),
     (32, 64, 64, "reshape", 3),
     (32, 64, 96, "view_residual", 2),
+    (64, 96, 128, "ln_gelu", 3),
 ]
 
 
@@ -115,6 +132,9 @@ def test_strassen_matmul_matches_onnxruntime(rows, din, dout, epilogue, rank, ca
     # and the Strassen schedule took the fused kernel (with GPT-2's [1, rows, dout] view before
     # the residual add it declined, and the kernel ran 50x slower)
     assert not [r for r in caplog.records if "Strassen matmul" in r.getMessage()]
+    # every stage parallel (a LayerNorm in front was left a serial nest)
+    (kernel,) = [f for f in _prim_funcs(result.lowered).values() if _stages(f)]
+    assert _serial_root_loops(kernel) == []
     assert _rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-5
 
 

@@ -33,10 +33,12 @@ from ._util import (
     int_extent,
     logger,
     safe_rule,
+    schedule_injective_block,
     stage_blocks,
     try_primitive,
     vector_lanes,
 )
+from .contraction import _parallel_rows, _schedule_row_prologue
 from .fallback import schedule_nest
 from .knobs import Knobs
 from .staged import drop_unit_dims, iterate_as_output, layout_free_params, read_index, static_domain
@@ -89,6 +91,7 @@ class Strassen(CpuRule):
         # the kernel's result: the view is inlined into them (its inverse index is affine)
         anchor = stages["output"]
         dims = static_domain(sch, stages["view"])
+        before = [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
         sch.reverse_compute_inline(stages["view"])
         # the fused epilogue: inlined into its last block but for a value two blocks read (GELU's
         # x), all computed per tile right after C's blocks (reading them plainly, r = qr·m + i)
@@ -99,6 +102,10 @@ class Strassen(CpuRule):
             drop_unit_dims(sch, epilogue[-1], dims) or iterate_as_output(sch, epilogue, dims)
         ):
             return None
+        chain = {sch.get(b).name_hint for b in epilogue}
+        prologue = [
+            st.name_hint for st in before if STAGE not in st.annotations and st.name_hint not in chain
+        ]
         shared = {sch.get(b).name_hint for b in epilogue[:-1] if len(sch.get_consumers(b)) > 1}
         for blk in epilogue[:-1]:
             if sch.get(blk).name_hint not in shared:
@@ -155,6 +162,17 @@ class Strassen(CpuRule):
         try_primitive(sch.vectorize, sch.get_loops(init)[-1])
 
         _schedule_block_sums(sch, stages["input"], lanes)  # A's block sums
+        # ---- a prologue fused in front (layer_norm -> matmul): parallel rows, as Contraction's ----
+        handled = set()
+        for prod in sch.get_producers(stages["input"]):
+            handled |= _schedule_row_prologue(sch, prod, target)
+        for name in prologue:
+            if name not in handled:
+                blk = sch.get_sblock(name)
+                if all(iv.iter_type == tirx.IterVar.DataPar for iv in sch.get(blk).iter_vars):
+                    schedule_injective_block(sch, blk, target)
+                else:
+                    _parallel_rows(sch, blk, target)
         return sch
 
 
