@@ -25,7 +25,7 @@ def _linear_model(rows, din, dout, epilogue, rank=3, seed=0):
     """x [1, rows, din] (or [rows, din]) -> MatMul by a constant -> epilogue: "none", "bias",
     "gelu" (bias, erf GELU: the value read by two blocks), "residual" (bias, + a second input),
     "reshape" (bias, then a [.., heads, dout / heads] view, as GPT-2's attention inputs),
-    "view_residual" (bias, a [1, rows, dout] view of the 2-D result, + a second input: GPT-2's
+    "flat_view" (bias, a [4 rows, dout / 4] view), "view_residual" (bias, a [1, rows, dout] view of the 2-D result, + a second input: GPT-2's
     TorchScript export); "ln_<epilogue>": the same after a LayerNorm of x."""
     g = models.GraphBuilder("strassen", seed)
     lead = (1,) if rank == 3 else ()
@@ -41,6 +41,8 @@ def _linear_model(rows, din, dout, epilogue, rank=3, seed=0):
         y = g.add(y, g.input("r", (*lead, rows, dout)))
     elif epilogue == "reshape":
         y = g.reshape(y, [*lead, rows, 4, dout // 4])
+    elif epilogue == "flat_view":  # a same-rank view across the tile's columns
+        y = g.reshape(y, [rows * 4, dout // 4])
     elif epilogue == "view_residual":
         y = g.add(g.reshape(y, [1, rows, dout]), g.input("r", (1, rows, dout)))
     return g.finish([y])
@@ -120,6 +122,25 @@ CASES = [  # rows, din, dout, epilogue, rank
     (32, 64, 96, "view_residual", 2),
     (64, 96, 128, "ln_gelu", 3),
 ]
+
+
+@pytest.mark.parametrize("rows,din,dout", [(32, 64, 96), (16, 48, 80)])
+def test_a_view_that_the_tiles_do_not_cover_is_declined_or_right(rows, din, dout):
+    model = _linear_model(rows, din, dout, "flat_view", rank=2)
+    feeds = _feeds(model)
+    result = tvm_fusion.build(model, ZNVER3, tuning_logs=None, strassen=True)
+    assert _rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-5
+
+
+def test_a_weight_computed_at_run_time_is_summed_at_run_time():
+    g = models.GraphBuilder("strassen_input_weight", 0)
+    y = g.op("MatMul", [g.input("x", (1, 32, 64)), g.input("w", (64, 96))])
+    model = g.finish([y])
+    feeds = _feeds(model)
+    result = tvm_fusion.build(model, ZNVER3, tuning_logs=None, strassen=True)
+    (kernel,) = [f for f in _prim_funcs(result.lowered).values() if _stages(f)]
+    assert "weight" in _stages(kernel)  # the block sums of B are computed by the kernel
+    assert _rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-5
 
 
 @pytest.mark.parametrize("rows,din,dout,epilogue,rank", CASES)
@@ -211,6 +232,8 @@ def test_a_strassen_kernel_the_rule_declines_is_reported_and_still_right(monkeyp
     warnings = [r.getMessage() for r in caplog.records if "Strassen matmul" in r.getMessage()]
     assert len(warnings) == 1 and "matmul/32x64x96" in warnings[0], warnings
     assert _rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-5
+    (kernel,) = [f for f in _prim_funcs(result.lowered).values() if _stages(f)]
+    assert _serial_root_loops(kernel) == []  # the products too (a serial nest ran 50x slower)
 
 
 def test_rule_space_of_a_strassen_kernel_contains_the_default():

@@ -29,7 +29,7 @@ def weighted_sum(terms, dtype):
     return tirx.const(0.0, dtype) if total is None else total
 
 
-def select_case(index_vars, cases: dict, dtype):
+def select_case(index_vars, cases: dict):
     """``cases[(i, j)]`` for the (constant) values of the index expressions, as a Select chain
     that folds to one case once the indices are constants (unrolled loops)."""
     keys = list(cases)
@@ -43,4 +43,4 @@ def select_case(index_vars, cases: dict, dtype):
 def selected_sums(index_vars, keys, terms, dtype):
     """``Σ terms(*key)`` for the key the index expressions equal: every transform stage is one
     weighted sum per case (matrix entry), chosen by :func:`select_case`."""
-    return select_case(index_vars, {key: weighted_sum(terms(*key), dtype) for key in keys}, dtype)
+    return select_case(index_vars, {key: weighted_sum(terms(*key), dtype) for key in keys})

@@ -4,13 +4,19 @@ Why: a transformer's time is its linear layers, and our GEMM micro-kernel alread
 90-95 % of the FMA peak; the remaining speed is in fewer multiplies. Strassen computes the 2 x 2
 block product ``C = A B`` with 7 block products instead of 8 (-12.5 % multiplies). The weight
 ``B`` is a constant, so its 7 block sums are computed at compile time (as Winograd's transformed
-weight); what is left at run time is 5 sums of ``A``'s blocks (an ``M K / 4``-sized stage) and
-the sums of the products into ``C``, which the schedule computes per micro-kernel tile from a
+weight); what is left at run time is a stage of ``A``'s 7 block operands (5 sums, 2 copies:
+7/4 of ``A``'s size) and the sums of the products into ``C``, which the schedule computes per micro-kernel tile from a
 small per-task buffer, so no product goes to memory (``schedules/strassen.py``). The weight to
 stream grows to 7/4 of B's: what is saved is bounded by memory traffic, not by the 1/8 of the
 FMAs (BERT-base's GEMMs alone: 5-9 % faster; the size rule :func:`default_use`, measured).
-Error: each product's operands are sums of two blocks, so rounding grows by about that factor
-(max |err| / max |ref| about 1e-6 on BERT-base, against 1.6e-6 without).
+Error: each product's operands are sums of two blocks, and C's blocks sums of up to four
+products, so rounding grows a little (BERT-base: max |err| / max |ref| against ONNX Runtime
+1.9e-6, plain 1.6e-6).
+
+Only a constant weight gets its block sums at compile time, but the legalization runs inside the
+fused functions, where the weight is a parameter: a matmul whose right operand is computed at run
+time takes this form too and then computes the weight sums at every call (7/4 of the weight's
+size): none of the exports in docs/zoo.md or docs/more_models.md has such a matmul of this size.
 
 The kernel is five TE stages, each block annotated ``tvm_fusion.strassen = <stage>``:
 
@@ -61,9 +67,10 @@ OUTPUT_BLOCKS = {
 # The size rule, from per-GEMM measurements (matmul + epilogue alone, Strassen / plain, 2 AVX-512
 # cores, znver4; docs/performance.md): over 128 rows, 768 -> 3072 + GELU 0.92-0.95, 3072 -> 768 +
 # residual 0.94, 768 -> 2304 0.91, 768 -> 768 0.95, 512 -> 2048 0.94, 2048 -> 512 0.95; 64 rows
-# 768 -> 768 0.96, 32 rows 768 -> 3072 0.97-0.99; lost or even: 384 -> 384 1.05, 256 -> 1024
-# 0.98, 512 x 128 -> 512 1.07, 3136 x 96 -> 384 1.09. The saving is 1/8 of the FMAs; the costs
-# (A's sums, the products' sums, 7/4 of the weight to stream) weigh more on a short reduction.
+# 768 -> 768 0.96; within noise, left out: 32 rows 768 -> 3072 0.97-0.99, 256 -> 1024 0.98; lost:
+# 384 -> 384 1.05, 512 x 128 -> 512 1.07, 3136 x 96 -> 384 1.09. The saving is 1/8 of the FMAs;
+# the costs (A's block operands, the products' sums, 7/4 of the weight to stream) weigh more on
+# a short reduction or few rows.
 MIN_HALF_ROWS = 32
 MIN_HALF_DEPTH = 256
 MIN_HALF_COLUMNS = 256
@@ -118,7 +125,7 @@ def strassen_matmul(x: te.Tensor, w: te.Tensor, signature: str = "") -> te.Tenso
     """TE of ``x @ w`` by one level of Strassen (module docstring); ``x`` is ``[1.., M, K]``."""
     *lead, rows, depth = (int(d) for d in x.shape)
     columns = int(w.shape[1])
-    m, k2, n = rows // 2, depth // 2, columns // 2
+    m, k2, n = rows // 2, depth // 2, columns // 2  # the halves: a block is m x k2 (A), k2 x n (B)
     zeros = (0,) * len(lead)
     dtype = x.dtype
 
