@@ -119,17 +119,19 @@ def test_cli_build_conv_algorithm_direct_turns_winograd_off(tmp_path, monkeypatc
 
 
 def test_cli_build_strassen_switch(tmp_path, monkeypatch):
-    """A 64 x 96 -> 128 linear is below the Strassen size rule: plain by default, Strassen with
-    --strassen on, plain with off."""
+    """Strassen is opt-in: a 64 x 512 -> 512 linear (within its size rule) is plain by default and
+    with --strassen off, Strassen with on; a 64 x 96 -> 128 one (below the rule) only with always."""
     import tvm_fusion.cli as cli
 
-    g = models.GraphBuilder("lin", 0)
-    src, built = tmp_path / "lin.onnx", []
-    onnx.save(g.finish([g.linear(g.input("x", (1, 64, 96)), 96, 128)]), src)
+    built = []
     monkeypatch.setattr(cli, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
-    for flag in ([], ["--strassen", "on"], ["--strassen", "off"]):
-        out = tmp_path / f"lin{len(built)}.so"
-        assert main(["build", str(src), "-o", str(out), "--no-tuning-logs", *flag]) == 0
+    for din, dout in ((512, 512), (96, 128)):
+        g = models.GraphBuilder("lin", 0)
+        src = tmp_path / f"lin{din}.onnx"
+        onnx.save(g.finish([g.linear(g.input("x", (1, 64, din)), din, dout)]), src)
+        for flag in ([], ["--strassen", "off"], ["--strassen", "on"], ["--strassen", "always"]):
+            out = tmp_path / f"lin{len(built)}.so"
+            assert main(["build", str(src), "-o", str(out), "--no-tuning-logs", *flag]) == 0
     strassen = [
         sum(
             "tvm_fusion.strassen" in f.script()
@@ -138,7 +140,7 @@ def test_cli_build_strassen_switch(tmp_path, monkeypatch):
         )
         for r in built
     ]
-    assert strassen == [0, 1, 0]
+    assert strassen == [0, 0, 1, 1, 0, 0, 0, 1]
 
 
 def test_cli_explain_names_groups(capsys):

@@ -64,6 +64,7 @@ from tvm import relax
 from .errors import TvmFusionError, last_line
 from .legalize import LegalizeOps
 from .legalize import register as register_legalizations
+from .legalize.strassen_matmul import ALWAYS as STRASSEN_ALWAYS
 from .legalize.strassen_matmul import strassen as strassen_scope
 from .legalize.winograd_conv import conv_algorithms as conv_algorithm_scope
 from .passes import (
@@ -142,7 +143,7 @@ def pipeline_stages(
     schedule: bool = True,
     database=None,
     conv_algorithms: dict | str | None = None,
-    strassen: bool | None = None,
+    strassen: bool | str | None = None,
 ) -> PipelineStages:
     """The passes of :func:`pipeline`, by stage (see :func:`pipeline_passes` for the options)."""
     target = parse_target(target)
@@ -233,10 +234,11 @@ def pipeline_passes(
         How eligible 3x3 convs are computed on CPU (``legalize/winograd_conv.py``): a dict from conv
         signature to ``"direct"`` / ``"winograd2"`` / ``"winograd4"`` (what tuning measured; others
         by the cost rule), one of those names for all, or None (the cost rule).
-    strassen : bool | None
-        Whether large float32 matmuls by a constant weight are computed by one level of Strassen on
-        CPU (``legalize/strassen_matmul.py``): True for every eligible one, False for none, None
-        where its size rule says so.
+    strassen : bool | str | None
+        Large float32 matmuls by a constant weight on CPU by one level of Strassen
+        (``legalize/strassen_matmul.py``): off by default (its error is relative to whole blocks,
+        not rows: a model that normalizes rows that should be zero amplifies it); True where its
+        measured size rule says, ``"always"`` for every eligible matmul.
     """
     return pipeline_stages(target, policy, **options).passes()
 
@@ -245,6 +247,8 @@ def _legalize(conv_algorithms, strassen) -> tvm.transform.Pass:
     """Our ``LegalizeOps`` with the conv-algorithm and Strassen decisions in scope (none set when
     None, so a caller's own ``winograd_conv.conv_algorithms`` / ``strassen_matmul.strassen`` block
     still applies)."""
+    if strassen not in (None, False, True, STRASSEN_ALWAYS):
+        raise ValueError(f"strassen must be False, True or {STRASSEN_ALWAYS!r}, not {strassen!r}")
     if conv_algorithms is None and strassen is None:
         return LegalizeOps()
 

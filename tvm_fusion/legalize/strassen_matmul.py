@@ -1,22 +1,32 @@
-"""One level of Strassen's algorithm for large float32 matmuls with a constant weight, on LLVM CPUs.
+"""One level of Strassen's algorithm for large float32 matmuls by a constant weight, on LLVM CPUs
+(opt-in: ``strassen=True``).
 
 Why: a transformer's time is its linear layers, and our GEMM micro-kernel already runs them at
 90-95 % of the FMA peak; the remaining speed is in fewer multiplies. Strassen computes the 2 x 2
 block product ``C = A B`` with 7 block products instead of 8 (-12.5 % multiplies). The weight
 ``B`` is a constant, so its 7 block sums are computed at compile time (as Winograd's transformed
 weight); what is left at run time is a stage of ``A``'s 7 block operands (5 sums, 2 copies:
-7/4 of ``A``'s size) and the sums of the products into ``C``, which the schedule computes per micro-kernel tile from a
-small per-task buffer, so no product goes to memory (``schedules/strassen.py``). The weight to
-stream grows to 7/4 of B's: what is saved is bounded by memory traffic, not by the 1/8 of the
-FMAs (BERT-base's GEMMs alone: 5-9 % faster; the size rule :func:`default_use`, measured).
-Error: each product's operands are sums of two blocks, and C's blocks sums of up to four
-products, so rounding grows a little (BERT-base: max |err| / max |ref| against ONNX Runtime
-1.9e-6, plain 1.6e-6).
+7/4 of ``A``'s size) and the sums of the products into ``C``, which the schedule computes per
+micro-kernel tile from a small per-task buffer, so no product goes to memory
+(``schedules/strassen.py``). The weight to stream grows to 7/4 of B's: what is saved is bounded
+by memory traffic, not by the 1/8 of the FMAs (BERT-base's GEMMs alone: 5-9 % faster; the
+whole model about 3 %; :func:`default_use` is the measured size rule).
+
+Why it is off by default: its error is bounded relative to the whole blocks, not to each row.
+Row ``i`` of C's top blocks is a sum of products that also carry row ``i`` of A's bottom blocks
+and cancel in exact arithmetic; in float32 they leave noise of about 1e-7 of the blocks'
+magnitude. A row that the plain product makes exactly zero (a padded token) becomes such noise,
+and a model that normalizes it undoes the scale: Swin V2's cosine attention divides K by its
+L2 norm (eps 1e-12), its padded window tokens' K rows became unit vectors of noise, and the
+model's output moved by 0.12 of its magnitude (max |err| / max |ref| against ONNX Runtime; 1e-6
+without Strassen). On BERT-style models the error stays at 1.9e-6 (plain 1.6e-6). Use it where
+the model's rows are not normalized from near-zero; ``strassen=True`` applies the size rule,
+``strassen="always"`` every eligible matmul.
 
 Only a constant weight gets its block sums at compile time, but the legalization runs inside the
 fused functions, where the weight is a parameter: a matmul whose right operand is computed at run
 time takes this form too and then computes the weight sums at every call (7/4 of the weight's
-size): none of the exports in docs/zoo.md or docs/more_models.md has such a matmul of this size.
+size).
 
 The kernel is five TE stages, each block annotated ``tvm_fusion.strassen = <stage>``:
 
@@ -75,14 +85,17 @@ MIN_HALF_ROWS = 32
 MIN_HALF_DEPTH = 256
 MIN_HALF_COLUMNS = 256
 
-_CHOICE: contextvars.ContextVar[bool | None] = contextvars.ContextVar("tvm_fusion_strassen", default=None)
+ALWAYS = "always"
+_CHOICE: contextvars.ContextVar[bool | str] = contextvars.ContextVar("tvm_fusion_strassen", default=False)
 
 
 @contextlib.contextmanager
-def strassen(enabled: bool | None):
-    """Within the block, eligible matmuls take Strassen's form always (True), never (False) or
-    where :func:`default_use` says (None)."""
-    token = _CHOICE.set(enabled)
+def strassen(choice: bool | str):
+    """Within the block, eligible matmuls take Strassen's form never (False, the default), where
+    :func:`default_use` says (True) or always (``"always"``)."""
+    if choice not in (False, True, ALWAYS):
+        raise ValueError(f"strassen must be False, True or {ALWAYS!r}, not {choice!r}")
+    token = _CHOICE.set(choice)
     try:
         yield
     finally:
@@ -90,7 +103,8 @@ def strassen(enabled: bool | None):
 
 
 def default_use(rows: int, depth: int, columns: int) -> bool:
-    """The untuned decision for an eligible ``rows x depth`` by ``depth x columns`` matmul."""
+    """Whether Strassen pays for an eligible ``rows x depth`` by ``depth x columns`` matmul (the
+    decision with ``strassen=True``)."""
     return rows // 2 >= MIN_HALF_ROWS and depth // 2 >= MIN_HALF_DEPTH and columns // 2 >= MIN_HALF_COLUMNS
 
 
@@ -177,7 +191,7 @@ def legalize_matmul_strassen(bb: relax.BlockBuilder, call: relax.Call):
         return None
     rows, depth, columns = shape["rows"], shape["depth"], shape["columns"]
     choice = _CHOICE.get()
-    if choice is False or (choice is None and not default_use(rows, depth, columns)):
+    if not choice or (choice is True and not default_use(rows, depth, columns)):
         return None
     return bb.call_te(
         strassen_matmul,
