@@ -76,6 +76,20 @@ def ort_run(model, feeds) -> np.ndarray:
     return ort_outputs(model, feeds)[0]
 
 
+def random_feeds(model, seed=1) -> dict:
+    """A standard-normal float32 array for every input of an ONNX model with static shapes."""
+    rng = np.random.default_rng(seed)
+    return {
+        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+        for i in model.graph.input
+    }
+
+
+def rel_err(got, ref) -> float:
+    """max |got - ref| / max |ref|: the relative error the tests and docs/zoo.md bound."""
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
 def max_abs_err(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
 

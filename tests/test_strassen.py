@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from conftest import ort_run, run_executable
+from conftest import ort_run, random_feeds, rel_err, run_executable
 from tvm import relax, tirx
 
 import tvm_fusion
@@ -46,18 +46,6 @@ def _linear_model(rows, din, dout, epilogue, rank=3, seed=0):
     elif epilogue == "view_residual":
         y = g.add(g.reshape(y, [1, rows, dout]), g.input("r", (1, rows, dout)))
     return g.finish([y])
-
-
-def _feeds(model, seed=1):
-    rng = np.random.default_rng(seed)
-    return {
-        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
-        for i in model.graph.input
-    }
-
-
-def _rel_err(got, ref) -> float:
-    return float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
 def _prim_funcs(mod):
@@ -127,26 +115,26 @@ CASES = [  # rows, din, dout, epilogue, rank
 @pytest.mark.parametrize("rows,din,dout", [(32, 64, 96), (16, 48, 80)])
 def test_a_view_that_the_tiles_do_not_cover_is_declined_or_right(rows, din, dout):
     model = _linear_model(rows, din, dout, "flat_view", rank=2)
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
     result = tvm_fusion.build(model, ZNVER3, tuning_logs=None, strassen="always")
-    assert _rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-5
+    assert rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-5
 
 
 def test_a_weight_computed_at_run_time_is_summed_at_run_time():
     g = models.GraphBuilder("strassen_input_weight", 0)
     y = g.op("MatMul", [g.input("x", (1, 32, 64)), g.input("w", (64, 96))])
     model = g.finish([y])
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
     result = tvm_fusion.build(model, ZNVER3, tuning_logs=None, strassen="always")
     (kernel,) = [f for f in _prim_funcs(result.lowered).values() if _stages(f)]
     assert "weight" in _stages(kernel)  # the block sums of B are computed by the kernel
-    assert _rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-5
+    assert rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-5
 
 
 @pytest.mark.parametrize("rows,din,dout,epilogue,rank", CASES)
 def test_strassen_matmul_matches_onnxruntime(rows, din, dout, epilogue, rank, caplog):
     model = _linear_model(rows, din, dout, epilogue, rank)
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
     with caplog.at_level("WARNING", logger="tvm_fusion.schedules"):
         result = tvm_fusion.build(model, ZNVER3, tuning_logs=None, strassen="always")
     assert any(_stages(f) for f in _prim_funcs(result.lowered).values())  # it took Strassen's form
@@ -156,7 +144,7 @@ def test_strassen_matmul_matches_onnxruntime(rows, din, dout, epilogue, rank, ca
     # every stage parallel (a LayerNorm in front was left a serial nest)
     (kernel,) = [f for f in _prim_funcs(result.lowered).values() if _stages(f)]
     assert _serial_root_loops(kernel) == []
-    assert _rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-5
+    assert rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-5
 
 
 def test_strassen_kernel_is_one_kernel_with_compile_time_weight_sums_and_products_per_task():
@@ -188,9 +176,9 @@ def test_strassen_kernel_is_one_kernel_with_compile_time_weight_sums_and_product
     task = sch.get(sch.get_loops(sch.get_sblock(gemm))[0])
     assert task.kind == tirx.ForKind.PARALLEL
     assert task.same_as(sch.get(sch.get_loops(sch.get_sblock("strassen_output"))[0]))
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
     got = run_executable(tvm.compile(mod, target=ZNVER3), feeds)
-    assert _rel_err(got, ort_run(model, feeds)) <= 1e-5
+    assert rel_err(got, ort_run(model, feeds)) <= 1e-5
 
 
 def _initializer(model, hint):
@@ -228,7 +216,7 @@ def test_a_row_the_plain_product_makes_zero_is_noise_under_strassen():
     g = models.GraphBuilder("strassen_zero_row", 0)
     y = g.op("MatMul", [g.input("x", (1, 64, 96)), g.weight("w", (96, 128))])
     model = g.finish([y])
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
     feeds["x"][0, 5] = 0.0  # top half: its partner row 37 is not zero
     plain = run_executable(tvm_fusion.build(model, ZNVER3, tuning_logs=None).executable, feeds)
     fast = run_executable(
@@ -245,12 +233,12 @@ def test_a_strassen_kernel_the_rule_declines_is_reported_and_still_right(monkeyp
     monkeypatch.setattr(strassen, "_WARNED", set())
     monkeypatch.setattr(strassen, "elementwise_epilogue", lambda sch, block: None)
     model = _linear_model(32, 64, 96, "gelu")
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
     with caplog.at_level("WARNING", logger="tvm_fusion.schedules"):
         result = tvm_fusion.build(model, ZNVER3, tuning_logs=None, strassen="always")
     warnings = [r.getMessage() for r in caplog.records if "Strassen matmul" in r.getMessage()]
     assert len(warnings) == 1 and "matmul/32x64x96" in warnings[0], warnings
-    assert _rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-5
+    assert rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-5
     (kernel,) = [f for f in _prim_funcs(result.lowered).values() if _stages(f)]
     assert _serial_root_loops(kernel) == []  # the products too (a serial nest ran 50x slower)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from conftest import ort_run, run_executable
+from conftest import ort_run, random_feeds, rel_err, run_executable
 from tvm import relax, tirx
 
 import tvm_fusion
@@ -43,18 +43,6 @@ def _conv_model(cin, cout, size, pad, epilogue, seed=0):
     elif epilogue in ("silu", "silu_no_bias"):
         y = g.op("Mul", [y, g.op("Sigmoid", [y])])
     return g.finish([y])
-
-
-def _feeds(model, seed=1):
-    rng = np.random.default_rng(seed)
-    return {
-        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
-        for i in model.graph.input
-    }
-
-
-def _rel_err(got, ref) -> float:
-    return float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
 def _lowered(model, algorithm, target=ZNVER3):
@@ -108,10 +96,10 @@ CASES = [  # cin, cout, size, pad, epilogue
 @pytest.mark.parametrize("cin,cout,size,pad,epilogue", CASES)
 def test_winograd_matches_onnxruntime(algorithm, cin, cout, size, pad, epilogue):
     model = _conv_model(cin, cout, size, pad, epilogue)
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
     result = tvm_fusion.build(model, ZNVER3, tuning_logs=None, conv_algorithms=algorithm)
     got = run_executable(result.executable, feeds)
-    assert _rel_err(got, ort_run(model, feeds)) <= 1e-4
+    assert rel_err(got, ort_run(model, feeds)) <= 1e-4
 
 
 @pytest.mark.parametrize("epilogue", ["residual", "silu"])
@@ -146,9 +134,9 @@ def test_winograd_kernel_and_epilogue_are_one_kernel_with_a_constant_weight(epil
     assert unpacked.shape[-1] == 32 and vt in (8, 16, 32)
     np.testing.assert_allclose(unpacked, u, rtol=1e-5, atol=1e-5)
     # the numbers are right too
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
     got = run_executable(tvm.compile(mod, target=ZNVER3), feeds)
-    assert _rel_err(got, ort_run(model, feeds)) <= 1e-4
+    assert rel_err(got, ort_run(model, feeds)) <= 1e-4
 
 
 @pytest.mark.parametrize("epilogue, inlined", [("relu", True), ("silu", False), ("silu_no_bias", False)])
@@ -199,9 +187,9 @@ def test_input_transform_is_separable_per_task_over_whole_vectors_of_tiles():
         int(sch.get(lp).extent) for lp in sch.get_loops(gemm) if sch.get(lp).kind == tirx.ForKind.UNROLLED
     ]
     assert unrolled == [7, 2]  # the micro-kernel: 7 tiles x 2 vectors of output channels
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
     got = run_executable(tvm.compile(mod, target=AVX512), feeds)
-    assert _rel_err(got, ort_run(model, feeds)) <= 1e-4
+    assert rel_err(got, ort_run(model, feeds)) <= 1e-4
 
 
 @pytest.mark.parametrize(
@@ -232,9 +220,9 @@ def test_input_transform_of_a_one_tile_row_stays_parallel():
     for name in ("winograd_input_rows", "winograd_input"):
         kinds = [sch.get(lp).kind for lp in sch.get_loops(sch.get_sblock(name))]
         assert kinds[0] == tirx.ForKind.PARALLEL, (name, kinds)
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
     got = run_executable(tvm.compile(_lowered(model, "winograd4"), target=ZNVER3), feeds)
-    assert _rel_err(got, ort_run(model, feeds)) <= 1e-4
+    assert rel_err(got, ort_run(model, feeds)) <= 1e-4
 
 
 def _initializer(model, prefix):
@@ -349,7 +337,7 @@ def test_tuning_measures_winograd_kernels_and_the_build_uses_the_choice(tmp_path
     assert set(manifest["conv_algorithms"].values()) <= {"direct", "winograd2", "winograd4"}
     assert len(manifest["conv_algorithms"]) == 1
     built = tvm_fusion.build(model, ZNVER3, name="wconv", tuning_logs=tmp_path)
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
     (got,) = run_executable(built.executable, feeds)
     np.testing.assert_allclose(got, ort_run(model, feeds)[0], rtol=1e-4, atol=1e-4)
 
@@ -384,13 +372,13 @@ def test_a_winograd_kernel_the_rule_declines_is_reported_and_still_right(monkeyp
 
     monkeypatch.setattr(winograd, "_WARNED", set())
     model = _conv_model(8, 32, 9, 1, "relu")
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
 
     def build_and_count():
         caplog.clear()
         with caplog.at_level("WARNING", logger="tvm_fusion.schedules"):
             result = tvm_fusion.build(model, ZNVER3, tuning_logs=None, conv_algorithms="winograd2")
-        assert _rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-4
+        assert rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-4
         return [r.getMessage() for r in caplog.records if "Winograd conv" in r.getMessage()]
 
     assert build_and_count() == []  # the rule takes it: nothing to say
@@ -432,6 +420,6 @@ def test_a_conv_followed_by_a_group_norm_keeps_its_winograd_schedule(
     assert not [r for r in caplog.records if "Winograd conv" in r.getMessage()]
     (conv,) = [name for name, f in _prim_funcs(mod).items() if "gemm" in _stages(f)]
     assert conv.endswith("_prepacked")  # the weight transform was folded at compile time
-    feeds = _feeds(model)
+    feeds = random_feeds(model)
     result = tvm_fusion.build(model, ZNVER3, tuning_logs=None, conv_algorithms=algorithm)
-    assert _rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-4
+    assert rel_err(run_executable(result.executable, feeds), ort_run(model, feeds)) <= 1e-4

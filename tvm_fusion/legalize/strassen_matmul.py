@@ -9,10 +9,13 @@ weight); what is left at run time is a stage of ``A``'s 7 block operands (5 sums
 7/4 of ``A``'s size) and the sums of the products into ``C``, which the schedule computes per
 micro-kernel tile from a small per-task buffer, so no product goes to memory
 (``schedules/strassen.py``). The weight to stream grows to 7/4 of B's: what is saved is bounded
-by memory traffic, not by the 1/8 of the FMAs (BERT-base's GEMMs alone: 5-9 % faster; the
-whole model about 3 %; :func:`default_use` is the measured size rule).
+by memory traffic, not by the 1/8 of the FMAs. BERT-base's GEMMs alone run 5-9 % faster
+(:func:`default_use` is the measured size rule), but whole transformers did not gain on the
+2-core znver4 VM it was measured on, where their weights stream from memory: Strassen / plain
+0.95-1.12 over five models (docs/performance.md).
 
-Why it is off by default: its error is bounded relative to the whole blocks, not to each row.
+Why it is off by default: besides that, its error is bounded relative to the whole blocks, not to
+each row.
 Row ``i`` of C's top blocks is a sum of products that also carry row ``i`` of A's bottom blocks
 and cancel in exact arithmetic; in float32 they leave noise of about 1e-7 of the blocks'
 magnitude. A row that the plain product makes exactly zero (a padded token) becomes such noise,

@@ -14,7 +14,8 @@ import tvm
 from tvm import tirx
 from tvm.sym import Analyzer
 
-from ._util import elementwise_epilogue
+from ._util import CpuRule, elementwise_epilogue, safe_rule
+from .knobs import Knobs
 
 
 def static_domain(sch, block) -> list[int | None]:
@@ -113,3 +114,36 @@ def read_index(sch, block, buf) -> int:
         if region.source.same_as(buf):
             return i
     raise ValueError("buffer not read by block")
+
+
+class StagedKernelRule(CpuRule):
+    """A rule for the kernels one of our legalizations writes in stages: it takes a kernel whose
+    root blocks carry ``STAGE`` annotations (a ``gemm`` stage among them, annotated
+    ``SIGNATURE`` with the op's shapes) and hands it to ``_schedule``; where that returns None,
+    ``declined`` says what happens (the kernel is this rule's to schedule all the same).
+    ``knobs`` forces decisions (tuning), ``last_knobs`` holds those of the last ``apply``."""
+
+    STAGE = ""
+    SIGNATURE = ""
+
+    def __init__(self, prepack: bool = True, knobs: dict[str, int] | None = None):
+        self.prepack = prepack
+        self.knobs = dict(knobs or {})
+        self.last_knobs: Knobs | None = None
+
+    @safe_rule
+    def apply(self, func: tirx.PrimFunc, target, tunable: bool):
+        opened = self.staged(func, target, self.STAGE)
+        if opened is None or "gemm" not in opened[1]:
+            return None  # not a kernel this rule's legalization wrote
+        sch, stages = opened
+        signature = str(sch.get(stages["gemm"]).annotations.get(self.SIGNATURE, "?"))
+        scheduled = self._schedule(sch, stages, func, target, tunable)
+        return self.declined(func, target, signature) if scheduled is None else scheduled
+
+    def _schedule(self, sch, stages: dict, func, target, tunable: bool):
+        raise NotImplementedError
+
+    def declined(self, func, target, signature: str):
+        """The schedule of a kernel ``_schedule`` could not take (None: the next rules')."""
+        return None

@@ -23,12 +23,10 @@ Tunable decision (:mod:`.knobs`): ``plan``, the micro-kernel cost model's n-th b
 from __future__ import annotations
 
 from tvm import s_tir, tirx
-from tvm.target import Target
 
 from ..legalize.strassen_matmul import SIGNATURE, STAGE
 from ._util import (
     LAYOUT_REWRITE_PREPROC,
-    CpuRule,
     elementwise_epilogue,
     int_extent,
     logger,
@@ -42,7 +40,14 @@ from ._util import (
 from .contraction import _parallel_rows, _schedule_row_prologue
 from .fallback import schedule_nest
 from .knobs import Knobs
-from .staged import drop_unit_dims, iterate_as_output, layout_free_params, read_index, static_domain
+from .staged import (
+    StagedKernelRule,
+    drop_unit_dims,
+    iterate_as_output,
+    layout_free_params,
+    read_index,
+    static_domain,
+)
 from .winograd import micro_kernel_plans
 
 MAX_PLAN_CHOICES = 8
@@ -51,30 +56,21 @@ STAGES = {"weight", "input", "gemm", "output", "view"}
 _WARNED: set[str] = set()
 
 
-class Strassen(CpuRule):
+class Strassen(StagedKernelRule):
     """The Strassen matmul schedule (see module docstring); declines anything else."""
 
-    def __init__(self, prepack: bool = True, knobs: dict[str, int] | None = None):
-        self.prepack = prepack
-        self.knobs = dict(knobs or {})
-        self.last_knobs: Knobs | None = None
+    STAGE = STAGE
+    SIGNATURE = SIGNATURE
 
-    @safe_rule
-    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        opened = self.staged(func, target, STAGE)
-        if opened is None or "gemm" not in opened[1]:
-            return None  # not a kernel the Strassen legalization wrote
-        sch, stages = opened
-        signature = str(sch.get(stages["gemm"]).annotations.get(SIGNATURE, "?"))
-        scheduled = self._schedule(sch, stages, func, target, tunable) if set(stages) == STAGES else None
-        if scheduled is None:
-            _warn_declined(signature)
-            self.last_knobs = None  # the plain schedule has no decision to tune
-            return _plain_schedule(func, target, self.prepack)
-        return scheduled
+    def declined(self, func, target, signature: str):
+        _warn_declined(signature)
+        self.last_knobs = None  # the plain schedule has no decision to tune
+        return _plain_schedule(func, target, self.prepack)
 
     @safe_rule
     def _schedule(self, sch, stages, func, target, tunable):
+        if set(stages) != STAGES:
+            return None
         knobs = self.last_knobs = Knobs(self.knobs, tunable)
         gemm = stages["gemm"]
         extents = [int_extent(sch, lp) for lp in sch.get_loops(gemm)]

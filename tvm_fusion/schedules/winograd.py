@@ -38,7 +38,6 @@ from tvm.target import Target
 from ..legalize.winograd_conv import SIGNATURE, STAGE, TILE
 from ._util import (
     LAYOUT_REWRITE_PREPROC,
-    CpuRule,
     divisors_upto,
     int_extent,
     logger,
@@ -51,7 +50,7 @@ from ._util import (
 )
 from .contraction import TILE_OVERHEAD_CYCLES
 from .knobs import Knobs
-from .staged import inline_epilogue, layout_free_params, read_index
+from .staged import StagedKernelRule, inline_epilogue, layout_free_params, read_index
 
 MAX_ROWS = 8
 MAX_PLAN_CHOICES = 12
@@ -138,25 +137,15 @@ def gemm_tile_columns(
     return best if costs[best] < MIN_PADDED_GAIN * costs[tile_cols] else tile_cols
 
 
-class Winograd(CpuRule):
+class Winograd(StagedKernelRule):
     """The Winograd conv schedule (see module docstring); declines anything else."""
 
-    def __init__(self, prepack: bool = True, knobs: dict[str, int] | None = None):
-        self.prepack = prepack
-        self.knobs = dict(knobs or {})
-        self.last_knobs: Knobs | None = None
+    STAGE = STAGE
+    SIGNATURE = SIGNATURE
 
-    @safe_rule
-    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        opened = self.staged(func, target, STAGE)
-        if opened is None or "gemm" not in opened[1]:
-            return None  # not a kernel the Winograd legalization wrote
-        sch, stages = opened
-        signature = str(sch.get(stages["gemm"]).annotations.get(SIGNATURE, "?"))
-        scheduled = self._schedule(sch, stages, func, target, tunable)
-        if scheduled is None:
-            _warn_declined(signature)
-        return scheduled
+    def declined(self, func, target, signature: str):
+        _warn_declined(signature)
+        return None
 
     @safe_rule
     def _schedule(self, sch, stages, func, target, tunable):
