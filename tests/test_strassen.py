@@ -43,6 +43,10 @@ def _linear_model(rows, din, dout, epilogue, rank=3, seed=0):
         y = g.reshape(y, [*lead, rows, 4, dout // 4])
     elif epilogue == "flat_view":  # a same-rank view across the tile's columns
         y = g.reshape(y, [rows * 4, dout // 4])
+    elif epilogue == "flatten_residual":  # OPT's TorchScript export: [1, rows, dout] -> [rows, dout]
+        y = g.reshape(g.add(y, g.input("r", (1, rows, dout))), [rows, dout])
+    elif epilogue == "expand":  # GPT-BigCode's: a unit dim added at the end
+        y = g.op("Unsqueeze", [y, g.const("axes", np.array([2], np.int64))])
     elif epilogue == "view_residual":
         y = g.add(g.reshape(y, [1, rows, dout]), g.input("r", (1, rows, dout)))
     return g.finish([y])
@@ -109,6 +113,8 @@ CASES = [  # rows, din, dout, epilogue, rank
     (32, 64, 64, "reshape", 3),
     (32, 64, 96, "view_residual", 2),
     (64, 96, 128, "ln_gelu", 3),
+    (32, 64, 96, "flatten_residual", 3),
+    (32, 64, 96, "ln_expand", 3),
 ]
 
 

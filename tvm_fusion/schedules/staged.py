@@ -75,7 +75,8 @@ def drop_unit_dims(sch, block, dims: list[int | None]) -> bool:
 
     def without_units(*old):
         kept = iter([var for var, extent in zip(old, own) if extent != 1])
-        return [0 if extent == 1 else next(kept) for extent in dims]
+        zero = tirx.const(0, old[0].dtype)
+        return [zero if extent == 1 else next(kept) for extent in dims]
 
     sch.transform_block_layout(block, tirx.IndexMap.from_func(without_units, ndim=len(own)))
     return True
