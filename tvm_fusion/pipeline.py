@@ -64,7 +64,7 @@ from tvm import relax
 from .errors import TvmFusionError, last_line
 from .legalize import LegalizeOps
 from .legalize import register as register_legalizations
-from .legalize.strassen_matmul import ALWAYS as STRASSEN_ALWAYS
+from .legalize.strassen_matmul import check_choice as check_strassen_choice
 from .legalize.strassen_matmul import strassen as strassen_scope
 from .legalize.winograd_conv import conv_algorithms as conv_algorithm_scope
 from .passes import (
@@ -247,8 +247,8 @@ def _legalize(conv_algorithms, strassen) -> tvm.transform.Pass:
     """Our ``LegalizeOps`` with the conv-algorithm and Strassen decisions in scope (none set when
     None, so a caller's own ``winograd_conv.conv_algorithms`` / ``strassen_matmul.strassen`` block
     still applies)."""
-    if strassen not in (None, False, True, STRASSEN_ALWAYS):
-        raise ValueError(f"strassen must be False, True or {STRASSEN_ALWAYS!r}, not {strassen!r}")
+    if strassen is not None:
+        check_strassen_choice(strassen)  # at pipeline construction, not inside a pass
     if conv_algorithms is None and strassen is None:
         return LegalizeOps()
 

@@ -15,8 +15,7 @@ by memory traffic, not by the 1/8 of the FMAs. BERT-base's GEMMs alone run 5-9 %
 0.95-1.12 over five models (docs/performance.md).
 
 Why it is off by default: besides that, its error is bounded relative to the whole blocks, not to
-each row.
-Row ``i`` of C's top blocks is a sum of products that also carry row ``i`` of A's bottom blocks
+each row. Row ``i`` of C's top blocks is a sum of products that also carry row ``i`` of A's bottom blocks
 and cancel in exact arithmetic; in float32 they leave noise of about 1e-7 of the blocks'
 magnitude. A row that the plain product makes exactly zero (a padded token) becomes such noise,
 and a model that normalizes it undoes the scale: Swin V2's cosine attention divides K by its
@@ -92,12 +91,17 @@ ALWAYS = "always"
 _CHOICE: contextvars.ContextVar[bool | str] = contextvars.ContextVar("tvm_fusion_strassen", default=False)
 
 
+def check_choice(choice) -> None:
+    """Raise ValueError unless ``choice`` is False, True or ``"always"``."""
+    if choice not in (False, True, ALWAYS):
+        raise ValueError(f"strassen must be False, True or {ALWAYS!r}, not {choice!r}")
+
+
 @contextlib.contextmanager
 def strassen(choice: bool | str):
     """Within the block, eligible matmuls take Strassen's form never (False, the default), where
     :func:`default_use` says (True) or always (``"always"``)."""
-    if choice not in (False, True, ALWAYS):
-        raise ValueError(f"strassen must be False, True or {ALWAYS!r}, not {choice!r}")
+    check_choice(choice)
     token = _CHOICE.set(choice)
     try:
         yield

@@ -379,10 +379,7 @@ class Contraction(CpuRule):
             name = sch.get(blk).name_hint
             if name in handled or sch.get(blk).annotations.get(LAYOUT_REWRITE_PREPROC) is not None:
                 continue
-            if all(it.iter_type == tirx.IterVar.DataPar for it in sch.get(blk).iter_vars):
-                schedule_injective_block(sch, blk, target)
-            else:  # a prologue reduction the row stage could not take: at least parallel rows
-                _parallel_rows(sch, blk, target)
+            schedule_leftover_stage(sch, blk, target)
         return sch
 
     # ------------------------------------------------------------------------------------------
@@ -1206,8 +1203,14 @@ def _binds_reduction(sch, blk, loop) -> bool:
     return False
 
 
-def _parallel_rows(sch, blk, target):
-    try_primitive(schedule_nest, sch, blk, target)
+def schedule_leftover_stage(sch, blk, target) -> None:
+    """A root stage next to a contraction that no other step took (a pad, a transpose, a
+    prologue reduction the row stage could not take): parallel and vectorized if injective, at
+    least parallel rows otherwise."""
+    if all(it.iter_type == tirx.IterVar.DataPar for it in sch.get(blk).iter_vars):
+        schedule_injective_block(sch, blk, target)
+    else:
+        try_primitive(schedule_nest, sch, blk, target)
 
 
 def _make_pack_map(outer_order, blocked_dims, row, vec, ndim):

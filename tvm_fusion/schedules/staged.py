@@ -95,12 +95,19 @@ def inline_epilogue(sch, output) -> tuple | None:
     chain = [output, *epilogue]
     if not iterate_as_output(sch, chain, static_domain(sch, output)):
         return None
+    return chain[-1], inline_chain(sch, chain)
+
+
+def inline_chain(sch, chain: list) -> list:
+    """Inline every block of an elementwise ``chain`` but its last into its consumers, except a
+    value two blocks read (see :func:`inline_epilogue`): those are returned, in program order, as
+    stages for the caller to place."""
     shared = {sch.get(b).name_hint for b in chain[:-1] if len(sch.get_consumers(b)) > 1}
     kept = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint in shared]
     for blk in chain[:-1]:
         if sch.get(blk).name_hint not in shared:
             sch.compute_inline(blk)
-    return chain[-1], kept
+    return kept
 
 
 def layout_free_params(func) -> set:

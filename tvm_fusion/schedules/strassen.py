@@ -32,17 +32,17 @@ from ._util import (
     logger,
     reverse_compute_within,
     safe_rule,
-    schedule_injective_block,
     stage_blocks,
     try_primitive,
     vector_lanes,
 )
-from .contraction import _parallel_rows, _schedule_row_prologue
+from .contraction import _schedule_row_prologue, schedule_leftover_stage
 from .fallback import schedule_nest
 from .knobs import Knobs
 from .staged import (
     StagedKernelRule,
     drop_unit_dims,
+    inline_chain,
     iterate_as_output,
     layout_free_params,
     read_index,
@@ -105,26 +105,17 @@ class Strassen(StagedKernelRule):
         prologue = [
             st.name_hint for st in before if STAGE not in st.annotations and st.name_hint not in chain
         ]
-        shared = {sch.get(b).name_hint for b in epilogue[:-1] if len(sch.get_consumers(b)) > 1}
-        for blk in epilogue[:-1]:
-            if sch.get(blk).name_hint not in shared:
-                sch.compute_inline(blk)
-        after = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint in shared]
-        after += epilogue[-1:]
+        after = [*inline_chain(sch, epilogue), *epilogue[-1:]]
 
         # ---- weight sums: packed [j / vt, p, r, vt] (a task's 7 panels one contiguous stream), ---
         # at compile time when the weight is a constant
         weight_blk = stages["weight"]
-        weight_param = sch.get(weight_blk).reads[0].source
         sch.transform_layout(
             gemm,
             ("read", read_index(sch, gemm, sch.get(weight_blk).writes[0].source)),
             tirx.IndexMap.from_func(lambda p, r, j: [j // vt, p, r, j % vt], ndim=3),
         )
-        if self.prepack and weight_param in layout_free_params(func):
-            sch.annotate(weight_blk, LAYOUT_REWRITE_PREPROC, True)
-        else:
-            _schedule_block_sums(sch, weight_blk, lanes)
+        _schedule_weight_sums(sch, weight_blk, func, lanes, self.prepack)
 
         # ---- tasks: rt rows x vt columns of C's four blocks (+ epilogue) -------------------------
         *lead, q_row, i, q_col, j = sch.get_loops(anchor)
@@ -169,11 +160,7 @@ class Strassen(StagedKernelRule):
             handled |= _schedule_row_prologue(sch, prod, target)
         for name in prologue:
             if name not in handled:
-                blk = sch.get_sblock(name)
-                if all(iv.iter_type == tirx.IterVar.DataPar for iv in sch.get(blk).iter_vars):
-                    schedule_injective_block(sch, blk, target)
-                else:
-                    _parallel_rows(sch, blk, target)
+                schedule_leftover_stage(sch, sch.get_sblock(name), target)
         return sch
 
 
@@ -211,6 +198,15 @@ def _schedule_block_sums(sch, block, lanes: int) -> None:
         sch.vectorize(sch.split(b_l, factors=[None, lanes])[1])
 
 
+def _schedule_weight_sums(sch, block, func, lanes: int, prepack: bool) -> None:
+    """B's block sums: a compile-time layout-rewrite preproc when B is a constant weight (and
+    packing is on), else a run-time stage of block sums."""
+    if prepack and sch.get(block).reads[0].source in layout_free_params(func):
+        sch.annotate(block, LAYOUT_REWRITE_PREPROC, True)
+    else:
+        _schedule_block_sums(sch, block, lanes)
+
+
 def _plain_schedule(func, target, prepack: bool = True):
     """A correct, plainer schedule for a Strassen kernel the rule could not take: the weight sums
     at compile time where the weight is constant, the block sums as above, the products a
@@ -221,12 +217,8 @@ def _plain_schedule(func, target, prepack: bool = True):
     sch = s_tir.Schedule(func)
     stages = stage_blocks(sch, STAGE)
     lanes = vector_lanes(target, "float32")
-    weight = stages.get("weight")
-    if weight is not None:
-        if prepack and sch.get(weight).reads[0].source in layout_free_params(func):
-            sch.annotate(weight, LAYOUT_REWRITE_PREPROC, True)
-        else:
-            _schedule_block_sums(sch, weight, lanes)
+    if "weight" in stages:
+        _schedule_weight_sums(sch, stages["weight"], func, lanes, prepack)
     if "input" in stages:
         _schedule_block_sums(sch, stages["input"], lanes)
     if "gemm" in stages:
