@@ -73,12 +73,15 @@ def drop_unit_dims(sch, block, dims: list[int | None]) -> bool:
     if None in own or None in dims or [d for d in own if d != 1] != [d for d in dims if d != 1]:
         return False
 
+    index_dtype = "int64"  # the iterators IndexMap.from_func makes (a Var has no .dtype here)
+
     def without_units(*old):
         kept = iter([var for var, extent in zip(old, own) if extent != 1])
-        zero = tirx.const(0, old[0].dtype)
-        return [zero if extent == 1 else next(kept) for extent in dims]
+        return [tirx.const(0, index_dtype) if extent == 1 else next(kept) for extent in dims]
 
-    sch.transform_block_layout(block, tirx.IndexMap.from_func(without_units, ndim=len(own)))
+    sch.transform_block_layout(
+        block, tirx.IndexMap.from_func(without_units, ndim=len(own), index_dtype=index_dtype)
+    )
     return True
 
 
