@@ -71,6 +71,7 @@ from .passes import (
     ApplyFusionPolicy,
     BindUnknownShapes,
     CanonicalizeActivations,
+    ConcatPerReader,
     DecomposeGroupNorm,
     FoldBatchNorm,
     FuseAttention,
@@ -188,7 +189,7 @@ def pipeline_stages(
     if target.kind.name == "llvm":  # its statistics too (GPU reductions are trees: not needed)
         rewrite.append(WidenLongReductions())
     rewrite.append(PadConvChannels(target))  # whole vectors of output channels (CPU, NCHW)
-    fuse = [ApplyFusionPolicy(policy, target)] if fusion else []
+    fuse = [ConcatPerReader(policy.for_target(target)), ApplyFusionPolicy(policy, target)] if fusion else []
     fuse += [
         LowerAttention(target),
         _legalize(conv_algorithms, strassen),

@@ -11,7 +11,7 @@ Ops are grouped into *classes* (``OP_CLASSES``); the ``vertical`` table says whi
 class may hand its output to which consumer classes inside one kernel. On top of the table:
 
 * ``max_fusion_depth`` caps the number of ops in one group (default 4); views (the ``view`` class:
-  reshape, squeeze, ...) are free index remaps and do not count;
+  reshape, squeeze, ...) and concats are free index remaps and do not count;
 * the unique-consumer rule: a producer whose output has several consumers (or is a function
   output) is never fused with a consumer, because its output must be written to memory anyway
   (this is not configurable: it is what keeps every group convex and side-effect free);
@@ -84,6 +84,9 @@ OP_CLASSES: dict[str, list[str]] = {
 }
 
 ELEMENTWISE = ["binary", "activation"]
+# classes that do not count toward max_fusion_depth: fused, they write nothing (their readers
+# read the data in place), so they take no room from the ops after them
+FREE_REMAPS = ("view", "concat")
 # index remaps of one tensor (or, for concat, of its pieces): free to chain with elementwise ops
 INDEX_REMAPS = ["view", "injective", "slice", "concat"]
 
@@ -99,8 +102,10 @@ DEFAULT_VERTICAL: dict[str, list[str]] = {
     "slice": INDEX_REMAPS + ELEMENTWISE,
     # followed like an injective op; it follows elementwise, view, injective and slice producers
     # only: not a reduction (whose schedules place consumers inside its loops, and a concat covers
-    # more than its output) nor an anchor (epilogues are elementwise, views and slices)
-    "concat": INDEX_REMAPS + ELEMENTWISE,
+    # more than its output) nor an anchor (epilogues are elementwise, views and slices). A conv or
+    # a pool may take it in front: it reads the pieces where they lie (SqueezeNet's fire modules,
+    # GoogLeNet's inception outputs; ConcatPerReader gives each reader of a shared one a copy)
+    "concat": INDEX_REMAPS + ELEMENTWISE + ["conv", "pool"],
     # layer_norm -> matmul (prologue of the next projection), softmax -> dropout
     "norm": ["gemm"] + ELEMENTWISE,
     "softmax": ["dropout"] + ELEMENTWISE,
@@ -114,10 +119,15 @@ DEFAULT_VERTICAL: dict[str, list[str]] = {
 # without shared-memory tiling: ViT's pre-norm FFN (`fused_layer_norm_matmul_add_gelu`, 197x768 ->
 # 3072) was the only GEMM of the zoo without it, and ViT the zoo's slowest model against PyTorch on
 # an H200 (2.96x; BERT, whose layer norm feeds a residual too and so stays apart, 0.98x).
-TARGET_EXCLUSIONS: dict[str, dict[str, list[str]]] = {"cuda": {"norm": ["gemm"]}}
+# A concat in front of a conv or a pool is measured on CPU only (its rules read the pieces in
+# place); on CUDA it stays a kernel of its own, as before.
+TARGET_EXCLUSIONS: dict[str, dict[str, list[str]]] = {"cuda": {"norm": ["gemm"], "concat": ["conv", "pool"]}}
 
 # Rough FLOPs per output element, for the cost model. Anything unlisted counts 1.
 FLOPS_PER_ELEMENT: dict[str, float] = {
+    # an element of one piece, chosen by its index: no arithmetic (a conv reading a fused concat
+    # loops over its pieces apart, schedules.contraction._split_at_pieces)
+    "concat": 0,
     "nn.gelu": 14,
     "nn.gelu_tanh": 12,
     "nn.silu": 5,

@@ -25,7 +25,15 @@ import tvm
 from tvm import relax
 
 from ..ir import count_uses, graph_functions
-from ..policy import ELEMENTWISE, FLOPS_PER_ELEMENT, INDEX_REMAPS, REDUCTION_PASSES, FusionPolicy, Roofline
+from ..policy import (
+    ELEMENTWISE,
+    FLOPS_PER_ELEMENT,
+    FREE_REMAPS,
+    INDEX_REMAPS,
+    REDUCTION_PASSES,
+    FusionPolicy,
+    Roofline,
+)
 from ..targets import parse_target
 
 # A symbolic dimension is priced as this many elements (decisions must not depend on run-time shapes).
@@ -53,9 +61,10 @@ class Group:
 
     @property
     def depth(self) -> int:
-        """Ops that count toward ``max_fusion_depth``: views (reshape, squeeze, ...) are free
-        index remaps, so a view in the chain leaves room for the op after it."""
-        return sum(n.op_class != "view" for n in self.nodes)
+        """Ops that count toward ``max_fusion_depth``: views (reshape, squeeze, ...) and concats
+        are free index remaps (fused, they write nothing: their readers read the data in place),
+        so one in the chain leaves room for the op after it."""
+        return sum(n.op_class not in FREE_REMAPS for n in self.nodes)
 
     @property
     def name(self) -> str:
@@ -160,11 +169,12 @@ class FusionPlanner:
                 accepted=False,
                 reason=f"producer output has {uses.get(arg, 0)} consumers (unique-consumer rule)",
             )
-        if consumer.op_class != "view" and group.depth >= policy.max_fusion_depth:
+        if consumer.op_class not in FREE_REMAPS and group.depth >= policy.max_fusion_depth:
             return Decision(
                 **edge,
                 accepted=False,
-                reason=f"group already has max_fusion_depth={policy.max_fusion_depth} ops (views not counted)",
+                reason=f"group already has max_fusion_depth={policy.max_fusion_depth} ops "
+                "(views and concats not counted)",
             )
         if group.has_anchor and policy.is_anchor(consumer.op_class):
             return Decision(**edge, accepted=False, reason="group already holds an anchor op (conv/gemm)")

@@ -26,12 +26,18 @@ from ._util import reachable_blocks, try_primitive, uses_var
 
 
 def inline_plain_copies(sch, main) -> bool:
-    """compute_inline the direct producers of ``main`` that are plain copies; True if any was."""
-    changed = False
-    for blk in sch.get_producers(main):
-        if is_plain_copy(sch.get(blk)) and try_primitive(sch.compute_inline, blk):
-            changed = True
-    return changed
+    """compute_inline the direct producers of ``main`` that are plain copies or piece selects, to
+    a fixpoint (a concat behind the ``pad_temp`` copy); True if any was."""
+    changed = again = False
+    while True:
+        for blk in sch.get_producers(main):
+            block = sch.get(blk)
+            if (is_plain_copy(block) or is_piece_select(block)) and try_primitive(sch.compute_inline, blk):
+                changed = again = True
+                break
+        if not again:
+            return changed
+        again = False
 
 
 def is_plain_copy(block) -> bool:
@@ -48,6 +54,64 @@ def is_plain_copy(block) -> bool:
         and len(dst) == len(src) == len(iters)
         and all(a.same_as(b) and a.same_as(c) for a, b, c in zip(dst, src, iters))
     )
+
+
+def is_piece_select(block) -> bool:
+    """``out[..] = if_then_else(c, a[..], if_then_else(c2, b[..], ..))``: each element one of the
+    pieces' elements, chosen by its index (a concat the policy fused in front of the conv).
+    Inlined, the conv reads the pieces where they lie; a pad (a constant leaf) does not qualify."""
+    body = block.body
+    if not isinstance(body, tirx.BufferStore):
+        return False
+
+    def pieces(expr) -> bool:
+        if isinstance(expr, tvm.ir.expr.TensorLoad):
+            return True
+        if _is_if_then_else(expr):
+            return pieces(expr.args[1]) and pieces(expr.args[2])
+        if isinstance(expr, tirx.Select):
+            return pieces(expr.true_value) and pieces(expr.false_value)
+        return False
+
+    value = body.value
+    return not isinstance(value, tvm.ir.expr.TensorLoad) and pieces(value)
+
+
+def piece_bounds(block, var) -> list[int]:
+    """The constants ``c`` of the piece conditions (``var < c``, ``c <= var``, ...) that the
+    if_then_else chains in ``block``'s value test ``var`` against: where an inlined concat
+    switches from one piece to the next along ``var``. Sorted, without duplicates."""
+    bounds = set()
+    todo = [block.body.value] if isinstance(block.body, tirx.BufferStore) else []
+    while todo:
+        node = todo.pop()
+        if _is_if_then_else(node):
+            cond = node.args[0]
+            if isinstance(cond, (tirx.LT, tirx.LE)):
+                a, b = cond.a, cond.b
+                if isinstance(a, tirx.IntImm) and b.same_as(var):  # c < var, c <= var
+                    bounds.add(int(a) + (1 if isinstance(cond, tirx.LT) else 0))
+                elif isinstance(b, tirx.IntImm) and a.same_as(var):  # var < c, var <= c
+                    bounds.add(int(b) + (1 if isinstance(cond, tirx.LE) else 0))
+        todo += _operands(node)
+    return sorted(bounds)
+
+
+def _is_if_then_else(node) -> bool:
+    return isinstance(node, tvm.ir.expr.Call) and str(getattr(node.op, "name", "")).endswith(".if_then_else")
+
+
+def _operands(node) -> list:
+    """The sub-expressions of an arithmetic / call / select / cast node (not of loads)."""
+    if isinstance(node, tvm.ir.expr.Call):
+        return list(node.args)
+    if isinstance(node, tirx.Select):
+        return [node.condition, node.true_value, node.false_value]
+    if isinstance(node, tirx.Cast):
+        return [node.value]
+    if hasattr(node, "a") and hasattr(node, "b"):
+        return [node.a, node.b]
+    return []
 
 
 def flatten_plane(sch, main_info) -> bool:
