@@ -75,6 +75,19 @@ def test_views_do_not_count_toward_the_depth():
     ]
 
 
+def test_concats_do_not_count_toward_the_depth():
+    """A concat in front of a conv writes nothing once fused (the conv reads its pieces): the conv's
+    bias add, residual add and relu still join it at depth 4."""
+    g = models.GraphBuilder("concat_chain")
+    pieces = [g.input(f"p{i}", (1, 8, 6, 6)) for i in range(2)]
+    h = g.conv(g.op("Concat", pieces, axis=1), 16, 8, k=1)
+    h = g.relu(g.add(h, g.input("residual", (1, 8, 6, 6))))
+    (report,) = plan_module(imported(g.finish([h])), None, "llvm")
+    assert [[n.op_name for n in grp.nodes] for grp in report.groups] == [
+        ["concat", "nn.conv2d", "add", "add", "nn.relu"]
+    ]
+
+
 def test_depth_groups_run_correctly_and_become_one_kernel_each():
     model = activation_chain(6)
     feeds = models.random_inputs(model)
