@@ -201,3 +201,23 @@ def count_uses(func: relax.Function) -> dict[relax.Var, int]:
         for var in relax.analysis.free_vars(expr):
             uses[var] = uses.get(var, 0) + 1
     return uses
+
+
+def reads_pieces_in_place(call) -> bool:
+    """Whether a reader of a concat can take it in front with the pieces read in place: a pool
+    (``WindowReduction`` computes its rows per output row), or a plain 1x1 stride-1 NCHW conv
+    (``Contraction`` loops over the pieces apart). Other convs' schedules (Winograd, depthwise,
+    direct KxK) would write the joined tensor inside their kernel, or leave it unscheduled."""
+    name = op_name(call)
+    if name in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d"):
+        return True
+    if name != "relax.nn.conv2d" or int(call.attrs.groups) != 1:
+        return False
+    a, weight = call.attrs, static_shape(call.args[1])
+    return (
+        weight is not None
+        and weight[2:] == (1, 1)
+        and all(int(v) == 1 for v in a.strides)
+        and all(int(v) == 0 for v in a.padding)
+        and (str(a.data_layout), str(a.kernel_layout), str(a.out_layout)) == ("NCHW", "OIHW", "NCHW")
+    )

@@ -24,7 +24,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import count_uses, graph_functions
+from ..ir import count_uses, graph_functions, reads_pieces_in_place
 from ..policy import (
     ELEMENTWISE,
     FLOPS_PER_ELEMENT,
@@ -176,6 +176,13 @@ class FusionPlanner:
                 reason=f"group already has max_fusion_depth={policy.max_fusion_depth} ops "
                 "(views and concats not counted)",
             )
+        if producer.op_class == "concat" and consumer.op_class in ("conv", "pool"):
+            if not (consumer.call.args[0].same_as(arg) and reads_pieces_in_place(consumer.call)):
+                return Decision(
+                    **edge,
+                    accepted=False,
+                    reason="only a pool or a 1x1 conv reads a concat's pieces in place",
+                )
         if group.has_anchor and policy.is_anchor(consumer.op_class):
             return Decision(**edge, accepted=False, reason="group already holds an anchor op (conv/gemm)")
         if group.has_anchor and consumer.op_class not in policy.epilogue_classes:

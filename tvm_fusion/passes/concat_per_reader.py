@@ -8,8 +8,9 @@ and Inception-v3's module outputs each feed three or four branches (1x1 convs, a
 of the concat per reader costs nothing to compute, so each reader gets its own, and each can
 fuse it. Readers of other kinds keep the original (written once, as before).
 
-Only the classes the policy lets follow a concat (``vertical["concat"]``) among :data:`READERS`
-get a copy: with the policy's concat -> conv edge removed this pass does nothing.
+Only readers that can take it with the pieces read in place (``ir.reads_pieces_in_place``: pools,
+1x1 convs) and whose class the policy lets follow a concat (``vertical["concat"]``) get a copy:
+with the policy's concat -> conv / pool edges removed this pass does nothing.
 """
 
 from __future__ import annotations
@@ -17,13 +18,21 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ..ir import UseCountingMutator, count_uses, graph_functions, op_calls, op_name, with_functions
+from ..ir import (
+    UseCountingMutator,
+    count_uses,
+    graph_functions,
+    op_calls,
+    op_name,
+    reads_pieces_in_place,
+    with_functions,
+)
 from ..policy import FusionPolicy
 
 __all__ = ["ConcatPerReader"]
 
 _CONCAT = "relax.concat"
-# the op classes that read a concat as their first argument and can take it in front
+# the op classes that read a concat as their first argument and may take it in front
 READERS = ("conv", "pool")
 
 
@@ -35,7 +44,7 @@ class _Rewriter(UseCountingMutator):
 
     def visit_call_(self, call):
         call = super().visit_call_(call)
-        if op_name(call) not in self.reader_ops or not call.args:
+        if op_name(call) not in self.reader_ops or not reads_pieces_in_place(call):
             return call
         data = call.args[0]
         if not isinstance(data, relax.Var) or self.uses.get(data, 0) < 2:

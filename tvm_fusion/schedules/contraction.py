@@ -160,7 +160,7 @@ class Contraction(CpuRule):
         knobs = self.last_knobs = Knobs(self.knobs, tunable)
         reductions = [b for b in infos if not b.is_injective()]
         # pointwise convs: inline the input copy, then GEMM over the flattened H*W plane (plane.py)
-        if len(reductions) == 1 and inline_plain_copies(sch, reductions[0].block_rv):
+        if len(reductions) == 1 and inline_plain_copies(sch, reductions[0].block_rv, MAX_PIECE_COPIES):
             infos = normalize_prim_func(sch)
             reductions = [b for b in infos if not b.is_injective()]
         if len(reductions) == 1 and flatten_plane(sch, reductions[0]):
@@ -268,8 +268,8 @@ class Contraction(CpuRule):
                     options.append(plan)
             blocking = options[knobs.choose(sch, "block", len(options))]
             if blocking is not None and piece_step is not None and piece_step % blocking[1]:
-                # chunks must not straddle the pieces: the largest chunk that divides their step
-                chunk = math.gcd(blocking[1], piece_step)
+                # chunks must not straddle the pieces: the largest divisor of their step below it
+                chunk = max(d for d in range(1, blocking[1] + 1) if piece_step % d == 0)
                 blocking = (blocking[0], chunk) if chunk >= MIN_CHUNK_STEPS else None
         task_local = None
         if blocking is None and not small:

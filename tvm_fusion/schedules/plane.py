@@ -19,25 +19,49 @@ Rewrites, before the rule plans its tile:
 
 from __future__ import annotations
 
+import math
+
 import tvm
 from tvm import tirx
 
 from ._util import reachable_blocks, try_primitive, uses_var
 
 
-def inline_plain_copies(sch, main) -> bool:
-    """compute_inline the direct producers of ``main`` that are plain copies or piece selects, to
-    a fixpoint (a concat behind the ``pad_temp`` copy); True if any was."""
+def inline_plain_copies(sch, main, max_piece_copies: int = 0) -> bool:
+    """compute_inline the direct producers of ``main`` that are plain copies, to a fixpoint; and
+    piece selects (a concat behind the ``pad_temp`` copy) that ``main`` reads along one of its
+    reduction iters in at most ``max_piece_copies`` equal steps (the caller splits the loop
+    there, see ``contraction._split_at_pieces``). True if any was inlined."""
     changed = again = False
     while True:
         for blk in sch.get_producers(main):
             block = sch.get(blk)
-            if (is_plain_copy(block) or is_piece_select(block)) and try_primitive(sch.compute_inline, blk):
+            inline = is_plain_copy(block) or _reduced_piece_select(sch.get(main), block, max_piece_copies)
+            if inline and try_primitive(sch.compute_inline, blk):
                 changed = again = True
                 break
         if not again:
             return changed
         again = False
+
+
+def _reduced_piece_select(main, block, max_copies: int) -> bool:
+    """A piece select whose pieces ``main`` reads along a reduction iter (the concat's axis is
+    reduced over), splittable in at most ``max_copies`` steps."""
+    copies = piece_copies(block)
+    if copies is None or copies > max_copies:
+        return False
+    var = next(iv.var for iv in block.iter_vars if piece_bounds(block, iv.var))
+    axes = [i for i, index in enumerate(block.body.indices) if index.same_as(var)]
+    if len(axes) != 1:
+        return False
+    axis, written = axes[0], block.body.buffer
+    reduced = {iv.var for iv in main.iter_vars if iv.iter_type == tirx.IterVar.CommReduce}
+    for read in main.reads:
+        if read.source.same_as(written):
+            index = read.region[axis].min
+            return any(index.same_as(v) for v in reduced)
+    return False
 
 
 def is_plain_copy(block) -> bool:
@@ -86,15 +110,46 @@ def piece_bounds(block, var) -> list[int]:
     while todo:
         node = todo.pop()
         if _is_if_then_else(node):
-            cond = node.args[0]
-            if isinstance(cond, (tirx.LT, tirx.LE)):
-                a, b = cond.a, cond.b
-                if isinstance(a, tirx.IntImm) and b.same_as(var):  # c < var, c <= var
-                    bounds.add(int(a) + (1 if isinstance(cond, tirx.LT) else 0))
-                elif isinstance(b, tirx.IntImm) and a.same_as(var):  # var < c, var <= c
-                    bounds.add(int(b) + (1 if isinstance(cond, tirx.LE) else 0))
+            bound = _piece_bound(node.args[0], var)
+            if bound is not None:
+                bounds.add(bound)
         todo += _operands(node)
     return sorted(bounds)
+
+
+# var OP c is true from this index on (GE, GT) or below it (LT, LE): the bound is where it flips
+_FLIPS_AT = {tirx.LT: 0, tirx.GE: 0, tirx.LE: 1, tirx.GT: 1}
+_MIRRORED = {tirx.LT: tirx.GT, tirx.LE: tirx.GE, tirx.GT: tirx.LT, tirx.GE: tirx.LE}
+
+
+def _piece_bound(cond, var) -> int | None:
+    """``c`` of ``var < c`` (or ``<=``, ``>``, ``>=``, either side): the first index on the
+    condition's other side; None for any other condition."""
+    kind = type(cond)
+    if kind not in _FLIPS_AT:
+        return None
+    a, b = cond.a, cond.b
+    if isinstance(a, tirx.IntImm) and b.same_as(var):  # c OP var is var MIRRORED c
+        kind, a, b = _MIRRORED[kind], b, a
+    if not (isinstance(b, tirx.IntImm) and a.same_as(var)):
+        return None
+    return int(b) + _FLIPS_AT[kind]
+
+
+def piece_copies(block) -> int | None:
+    """How many equal steps a loop over ``block``'s pieces needs so that no step straddles two
+    pieces (the iter's extent over the gcd of its bounds); None unless the block is a piece select
+    along exactly one iter."""
+    if not is_piece_select(block):
+        return None
+    split = []
+    for iv in block.iter_vars:
+        bounds = piece_bounds(block, iv.var)
+        if bounds:
+            if not isinstance(iv.dom.extent, tirx.IntImm):
+                return None
+            split.append(int(iv.dom.extent) // math.gcd(int(iv.dom.extent), *bounds))
+    return split[0] if len(split) == 1 else None
 
 
 def _is_if_then_else(node) -> bool:
