@@ -159,7 +159,8 @@ class Contraction(CpuRule):
         sch, infos = opened
         knobs = self.last_knobs = Knobs(self.knobs, tunable)
         reductions = [b for b in infos if not b.is_injective()]
-        # pointwise convs: inline the input copy, then GEMM over the flattened H*W plane (plane.py)
+        # pointwise convs: inline the input copy (and a concat in front), then GEMM over the
+        # flattened H*W plane (plane.py)
         if len(reductions) == 1 and inline_plain_copies(sch, reductions[0].block_rv, MAX_PIECE_COPIES):
             infos = normalize_prim_func(sch)
             reductions = [b for b in infos if not b.is_injective()]

@@ -10,7 +10,9 @@ contiguous axis of 3136 elements: the Contraction rule then picks a GEMM tile (1
 Rewrites, before the rule plans its tile:
 
 * direct producers of the contraction that are plain copies (the ``pad_temp`` of an unpadded
-  conv) are inlined: they only rename the input and cost a pass over it;
+  conv) are inlined: they only rename the input and cost a pass over it; so is a concat fused in
+  front (a *piece select*), where the contraction reduces along its axis: the conv then reads the
+  pieces in place (the rule loops over them apart, ``contraction._split_at_pieces``);
 * intermediate buffers ``[.., H, W]`` become ``[.., H*W]`` (``transform_layout``), and the
   contraction and its epilogue blocks get one ``hw`` iter (``transform_block_layout``).
   Function parameters keep their shape; their accesses become ``[.., hw // W, hw % W]``, which
