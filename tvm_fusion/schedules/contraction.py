@@ -680,7 +680,7 @@ class Contraction(CpuRule):
 
 def _split_at_pieces(sch, main_info) -> tuple[list, list, int | None]:
     """The reduction loops, the loops over the pieces of a concat fused in front, and the step
-    of the first reduction iter's pieces (None: not split).
+    of the first reduction iter's pieces (None where that iter is not split).
 
     An inlined concat (``plane.inline_plain_copies``) reads its pieces through an
     ``if_then_else`` on the reduction index: a branch on every load of the micro-kernel, and
