@@ -203,21 +203,30 @@ def count_uses(func: relax.Function) -> dict[relax.Var, int]:
     return uses
 
 
-def reads_pieces_in_place(call) -> bool:
-    """Whether a reader of a concat can take it in front with the pieces read in place: a pool
-    (``WindowReduction`` computes its rows per output row), or a plain 1x1 stride-1 NCHW conv
-    (``Contraction`` loops over the pieces apart). Other convs' schedules (Winograd, depthwise,
-    direct KxK) would write the joined tensor inside their kernel, or leave it unscheduled."""
-    name = op_name(call)
-    if name in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d"):
-        return True
-    if name != "relax.nn.conv2d" or int(call.attrs.groups) != 1:
+def is_pointwise_conv(conv) -> bool:
+    """A plain float 1x1 conv2d in NCHW / OIHW: every output pixel from its own input pixel, in the
+    dtype it reads (an int8 conv accumulating in int32 cannot average its input first)."""
+    if op_name(conv) != "relax.nn.conv2d":
         return False
-    a, weight = call.attrs, static_shape(call.args[1])
+    dtype = dtype_of(conv.args[0])
+    if not is_float_dtype(dtype) or dtype_of(conv) != dtype:
+        return False
+    a = conv.attrs
+    weight = static_shape(conv.args[1])
     return (
         weight is not None
         and weight[2:] == (1, 1)
-        and all(int(v) == 1 for v in a.strides)
-        and all(int(v) == 0 for v in a.padding)
+        and all(int(s) == 1 for s in a.strides)
+        and all(int(p) == 0 for p in a.padding)
         and (str(a.data_layout), str(a.kernel_layout), str(a.out_layout)) == ("NCHW", "OIHW", "NCHW")
     )
+
+
+def reads_pieces_in_place(call) -> bool:
+    """Whether a reader of a concat can take it in front with the pieces read in place: a pool
+    (``WindowReduction`` computes its rows per output row), or a plain ungrouped 1x1 conv
+    (``Contraction`` loops over the pieces apart). Other convs' schedules (Winograd, depthwise,
+    direct KxK) would write the joined tensor inside their kernel, or leave it unscheduled."""
+    if op_name(call) in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d"):
+        return True
+    return is_pointwise_conv(call) and int(call.attrs.groups) == 1

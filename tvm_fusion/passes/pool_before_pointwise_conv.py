@@ -22,9 +22,8 @@ from tvm import relax
 from ..ir import (
     UseCountingMutator,
     count_uses,
-    dtype_of,
     graph_functions,
-    is_float_dtype,
+    is_pointwise_conv,
     op_calls,
     op_name,
     static_shape,
@@ -47,25 +46,6 @@ def _averages_each_window(pool: relax.Call) -> bool:
         return True
     windows = [int(d) * (int(k) - 1) + 1 for d, k in zip(a.dilation, a.pool_size)]
     return not bool(a.count_include_pad) and all(p < windows[i % 2] for i, p in enumerate(pads))
-
-
-def _is_pointwise_conv(conv) -> bool:
-    """A plain float 1x1 conv2d in NCHW / OIHW: every output pixel from its own input pixel, in the
-    dtype it reads (an int8 conv accumulating in int32 cannot average its input first)."""
-    if op_name(conv) != "relax.nn.conv2d":
-        return False
-    dtype = dtype_of(conv.args[0])
-    if not is_float_dtype(dtype) or dtype_of(conv) != dtype:
-        return False
-    a = conv.attrs
-    weight = static_shape(conv.args[1])
-    return (
-        weight is not None
-        and weight[2:] == (1, 1)
-        and all(int(s) == 1 for s in a.strides)
-        and all(int(p) == 0 for p in a.padding)
-        and (str(a.data_layout), str(a.kernel_layout), str(a.out_layout)) == ("NCHW", "OIHW", "NCHW")
-    )
 
 
 def _is_channel_bias(add) -> bool:
@@ -93,7 +73,7 @@ class _Rewriter(UseCountingMutator):
         if _is_channel_bias(producer):
             bias = producer.args[1]
             producer = self.single_use_binding(producer.args[0])
-        if not _is_pointwise_conv(producer):
+        if not is_pointwise_conv(producer):
             return call
         # the same pool on the conv's input, the same conv on the pooled map (attrs checked above)
         pooled = self.builder_.emit(relax.Call(call.op, [producer.args[0]], call.attrs))
