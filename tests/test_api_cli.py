@@ -97,34 +97,37 @@ def test_cli_build_prints_summary(tmp_path, capsys):
     assert out.exists() and (tmp_path / "net.so.json").exists()
 
 
-def test_cli_build_conv_algorithm_direct_turns_winograd_off(tmp_path, monkeypatch):
-    """resnet_block_net's 32->32 3x3 conv at 16x16 is a Winograd kernel by default."""
+def _record_cli_builds(monkeypatch) -> list:
+    """The results of every ``build`` the CLI makes from now on, in order."""
     import tvm_fusion.cli as cli
 
-    src, built = tmp_path / "net.onnx", []
-    onnx.save(models.resnet_block_net(), src)
+    built = []
     monkeypatch.setattr(cli, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    return built
+
+
+def _kernels_mentioning(result, text: str) -> int:
+    """How many of a build's PrimFuncs mention ``text`` in their script."""
+    return sum(
+        text in f.script() for _, f in result.lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)
+    )
+
+
+def test_cli_build_conv_algorithm_direct_turns_winograd_off(tmp_path, monkeypatch):
+    """resnet_block_net's 32->32 3x3 conv at 16x16 is a Winograd kernel by default."""
+    src, built = tmp_path / "net.onnx", _record_cli_builds(monkeypatch)
+    onnx.save(models.resnet_block_net(), src)
     for flag in ([], ["--conv-algorithm", "direct"]):
         out = tmp_path / f"net{len(built)}.so"
         assert main(["build", str(src), "-o", str(out), "--no-tuning-logs", *flag]) == 0
-    winograd = [
-        sum(
-            "winograd" in f.script()
-            for _, f in r.lowered.functions_items()
-            if isinstance(f, tvm.tirx.PrimFunc)
-        )
-        for r in built
-    ]
+    winograd = [_kernels_mentioning(r, "winograd") for r in built]
     assert winograd[0] > 0 and winograd[1] == 0
 
 
 def test_cli_build_strassen_switch(tmp_path, monkeypatch):
     """Strassen is opt-in: a 64 x 512 -> 512 linear (within its size rule) is plain by default and
     with --strassen off, Strassen with on; a 64 x 96 -> 128 one (below the rule) only with always."""
-    import tvm_fusion.cli as cli
-
-    built = []
-    monkeypatch.setattr(cli, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    built = _record_cli_builds(monkeypatch)
     for din, dout in ((512, 512), (96, 128)):
         g = models.GraphBuilder("lin", 0)
         src = tmp_path / f"lin{din}.onnx"
@@ -132,14 +135,7 @@ def test_cli_build_strassen_switch(tmp_path, monkeypatch):
         for flag in ([], ["--strassen", "off"], ["--strassen", "on"], ["--strassen", "always"]):
             out = tmp_path / f"lin{len(built)}.so"
             assert main(["build", str(src), "-o", str(out), "--no-tuning-logs", *flag]) == 0
-    strassen = [
-        sum(
-            "tvm_fusion.strassen" in f.script()
-            for _, f in r.lowered.functions_items()
-            if isinstance(f, tvm.tirx.PrimFunc)
-        )
-        for r in built
-    ]
+    strassen = [_kernels_mentioning(r, "tvm_fusion.strassen") for r in built]
     assert strassen == [0, 0, 1, 1, 0, 0, 0, 1]
 
 

@@ -34,27 +34,26 @@ def inline_plain_copies(sch, main, max_piece_copies: int = 0) -> bool:
     piece selects (a concat behind the ``pad_temp`` copy) that ``main`` reads along one of its
     reduction iters in at most ``max_piece_copies`` equal steps (the caller splits the loop
     there, see ``contraction._split_at_pieces``). True if any was inlined."""
-    changed = again = False
+    changed = progress = False
     while True:
         for blk in sch.get_producers(main):
             block = sch.get(blk)
             inline = is_plain_copy(block) or _reduced_piece_select(sch.get(main), block, max_piece_copies)
             if inline and try_primitive(sch.compute_inline, blk):
-                changed = again = True
-                break
-        if not again:
+                changed = progress = True
+                break  # the producers changed: look again
+        if not progress:
             return changed
-        again = False
+        progress = False
 
 
 def _reduced_piece_select(main, block, max_copies: int) -> bool:
     """A piece select whose pieces ``main`` reads along a reduction iter (the concat's axis is
     reduced over), splittable in at most ``max_copies`` steps."""
-    copies = piece_copies(block)
-    if copies is None or copies > max_copies:
+    found = _piece_axis(block)
+    if found is None or found[1] > max_copies:
         return False
-    var = next(iv.var for iv in block.iter_vars if piece_bounds(block, iv.var))
-    axes = [i for i, index in enumerate(block.body.indices) if index.same_as(var)]
+    axes = [i for i, index in enumerate(block.body.indices) if index.same_as(found[0])]
     if len(axes) != 1:
         return False
     axis, written = axes[0], block.body.buffer
@@ -138,20 +137,17 @@ def _piece_bound(cond, var) -> int | None:
     return int(b) + _FLIPS_AT[kind]
 
 
-def piece_copies(block) -> int | None:
-    """How many equal steps a loop over ``block``'s pieces needs so that no step straddles two
-    pieces (the iter's extent over the gcd of its bounds); None unless the block is a piece select
-    along exactly one iter."""
+def _piece_axis(block) -> tuple[tirx.Var, int] | None:
+    """The iter a piece select switches pieces along, and how many equal steps a loop over it
+    needs so that no step straddles two pieces (its extent over the gcd of its bounds); None
+    unless the block is a piece select along exactly one static iter."""
     if not is_piece_select(block):
         return None
-    split = []
-    for iv in block.iter_vars:
-        bounds = piece_bounds(block, iv.var)
-        if bounds:
-            if not isinstance(iv.dom.extent, tirx.IntImm):
-                return None
-            split.append(int(iv.dom.extent) // math.gcd(int(iv.dom.extent), *bounds))
-    return split[0] if len(split) == 1 else None
+    split = [(iv, bounds) for iv in block.iter_vars if (bounds := piece_bounds(block, iv.var))]
+    if len(split) != 1 or not isinstance(split[0][0].dom.extent, tirx.IntImm):
+        return None
+    (iv, bounds), extent = split[0], int(split[0][0].dom.extent)
+    return iv.var, extent // math.gcd(extent, *bounds)
 
 
 def _is_if_then_else(node) -> bool:
