@@ -279,6 +279,7 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
 
     from tvm_fusion import build
     from tvm_fusion.benchmark import interleaved_ms, ort_variant
+    from tvm_fusion.fma_peak import fma_peak_gflops
     from tvm_fusion.profiling import kernel_times
     from tvm_fusion.targets import llvm_target
 
@@ -322,6 +323,7 @@ def check_one(name: str, exporter: str, cache: Path, out: Path, targets, timing:
                     ms_ort=ms_ort,
                     ms_ours=ms_ours,
                     threads=threads,
+                    fma_peak_gflops=round(fma_peak_gflops(target), 1),
                     top_kernels=[[k, round(ms, 3), n] for k, ms, n in top],
                 )
             del vm, result
@@ -445,6 +447,7 @@ def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
     cuda_ok = sum(_ok(r, "cuda") for r in rows)
     expected = len(ZOO) * len(EXPORTERS)
     threads = next((r["threads"] for r in rows if r.get("threads")), None)
+    peak, peak_source = machine_peak(rows, threads)
     lines = [
         "# Model zoo: real torch exports",
         "",
@@ -460,7 +463,9 @@ def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
         f"process, interleaved, {threads or 'all'} threads each). TVM {tvm.__version__}, ONNX Runtime "
         f"{onnxruntime.__version__}. Dates per row are in the results file. GFLOP/s: the model's FLOPs "
         f"counted as direct convolutions and matmuls, over our latency (Winograd convs do fewer, so conv "
-        f"nets can read above the machine's FMA peak).{(' ' + note) if note else ''}",
+        f"nets can read above the machine's FMA peak). FMA peak: {peak:.0f} GFLOP/s, {peak_source} by "
+        f"`tvm_fusion.fma_peak` (independent FMA chains on every core, no memory traffic); "
+        f"% peak = GFLOP/s ours over it.{(' ' + note) if note else ''}",
         "",
         f"**Summary:** {n} of {expected} model/exporter pairs run; llvm build + numerics within "
         f"{REL_TOL:g} relative: **{llvm_ok}/{n}**; CUDA build + export: **{cuda_ok}/{n}**.",
@@ -473,8 +478,8 @@ def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
     lines += [
         "",
         "| model | exporter | ops → kernels | build s (llvm) | max rel err | ms ORT | ms ours | × ORT | "
-        "GFLOP/s ours | build s (cuda) | cuda kernels (layout transforms) |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "GFLOP/s ours | % peak | build s (cuda) | cuda kernels (layout transforms) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     failures = []
     for r in rows:
@@ -491,7 +496,8 @@ def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
         lines.append(
             f"| {r['model']} | {r['exporter']} | {kernels} | {_fmt(r.get('llvm_build_s'), '.1f')} | "
             f"{err_text} | {_fmt(r.get('ms_ort'), '.2f')} | {_fmt(r.get('ms_ours'), '.2f')} | "
-            f"{_fmt(ratio, '.2f')} | {_fmt(rate, '.0f')} | {_fmt(r.get('cuda_build_s'), '.1f')} | {cuda} |"
+            f"{_fmt(ratio, '.2f')} | {_fmt(rate, '.0f')} | {_fmt(None if rate is None else 100 * rate / peak, '.0f')} | "
+            f"{_fmt(r.get('cuda_build_s'), '.1f')} | {cuda} |"
         )
         for key in ("llvm_error", "cuda_error"):
             if r.get(key):
@@ -516,6 +522,20 @@ def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
     md.write_text("\n".join(lines) + "\n")
     md.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     _plot(rows, png)
+
+
+def machine_peak(rows: list[dict], threads: int | None) -> tuple[float, str]:
+    """The FMA peak the rows' GFLOP/s are compared with, and where it comes from: the median of
+    the peaks measured with the rows (in the timing child), or, for results stored before rows
+    carried one, measured now with the rows' thread count."""
+    measured = [r["fma_peak_gflops"] for r in rows if r.get("fma_peak_gflops")]
+    if measured:
+        return float(np.median(measured)), f"measured with the rows ({len(measured)} of them)"
+    from tvm_fusion.fma_peak import fma_peak_gflops
+    from tvm_fusion.targets import llvm_target
+
+    today = datetime.date.today().isoformat()
+    return fma_peak_gflops(llvm_target(num_cores=threads)), f"measured when this report was written ({today})"
 
 
 def _order(key: str):

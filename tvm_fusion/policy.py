@@ -207,10 +207,14 @@ class Roofline:
         )
 
     @classmethod
-    def measure(cls, size_mb: int = 64, gemm_n: int = 1024, tries: int = 10) -> Roofline:
-        """Measure copy bandwidth and GEMM FLOP/s with numpy on this machine (takes ~1 s): the best
-        of ``tries``, since on a shared machine other tenants only ever make a try slower (a
-        512-wide GEMM, best of 5, once read 127 GFLOP/s where kernels then ran at 180)."""
+    def measure(cls, size_mb: int = 64, tries: int = 10, target=None) -> Roofline:
+        """Measure this machine (takes ~1 s): copy bandwidth with numpy, and the FMA peak with a
+        kernel TVM compiles for ``target`` (:func:`tvm_fusion.fma_peak.fma_peak_gflops`; the
+        host's LLVM target by default). Each is the best of ``tries``, since on a shared machine
+        other tenants only ever make a try slower. The peak was numpy's GEMM rate before (182
+        GFLOP/s on the 2-core AVX-512 VM where our GEMMs run at 220 and the FMA kernel at 236)."""
+        from .fma_peak import fma_peak_gflops  # pylint: disable=import-outside-toplevel
+
         src = np.ones(size_mb << 18, dtype=np.float32)
         dst = np.empty_like(src)
         best = math.inf
@@ -219,16 +223,9 @@ class Roofline:
             np.copyto(dst, src)
             best = min(best, time.perf_counter() - start)
         bandwidth = 2 * src.nbytes / best / 1e9  # read + write
-        a = np.ones((gemm_n, gemm_n), dtype=np.float32)
-        best = math.inf
-        for _ in range(tries):
-            start = time.perf_counter()
-            a @ a
-            best = min(best, time.perf_counter() - start)
-        gflops = 2 * gemm_n**3 / best / 1e9
         return cls(
             bandwidth_gbps=round(bandwidth, 1),
-            peak_gflops=round(gflops, 1),
+            peak_gflops=round(fma_peak_gflops(target, tries), 1),
             launch_overhead_us=1.0,
             cache_bytes=1 << 20,
         )
