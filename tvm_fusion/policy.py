@@ -90,6 +90,11 @@ FREE_REMAPS = ("view", "concat")
 # index remaps of one tensor (or, for concat, of its pieces): free to chain with elementwise ops
 INDEX_REMAPS = ["view", "injective", "slice", "concat"]
 
+# The classes that may take a concat in front, and only where they read its pieces in place
+# (``ir.reads_pieces_in_place``: pools, 1x1 stride-1 convs): the planner checks that per edge and
+# ``ConcatPerReader`` copies a shared concat for each such reader.
+CONCAT_READERS = ("conv", "pool")
+
 DEFAULT_VERTICAL: dict[str, list[str]] = {
     # anchor -> bias add / residual add / activation epilogue
     "conv": ELEMENTWISE + ["view", "slice"],
@@ -105,7 +110,7 @@ DEFAULT_VERTICAL: dict[str, list[str]] = {
     # more than its output) nor an anchor (epilogues are elementwise, views and slices). A conv or
     # a pool may take it in front: it reads the pieces where they lie (SqueezeNet's fire modules,
     # GoogLeNet's inception outputs; ConcatPerReader gives each reader of a shared one a copy)
-    "concat": INDEX_REMAPS + ELEMENTWISE + ["conv", "pool"],
+    "concat": INDEX_REMAPS + ELEMENTWISE + list(CONCAT_READERS),
     # layer_norm -> matmul (prologue of the next projection), softmax -> dropout
     "norm": ["gemm"] + ELEMENTWISE,
     "softmax": ["dropout"] + ELEMENTWISE,
@@ -121,7 +126,9 @@ DEFAULT_VERTICAL: dict[str, list[str]] = {
 # an H200 (2.96x; BERT, whose layer norm feeds a residual too and so stays apart, 0.98x).
 # A concat in front of a conv or a pool is measured on CPU only (its rules read the pieces in
 # place); on CUDA it stays a kernel of its own, as before.
-TARGET_EXCLUSIONS: dict[str, dict[str, list[str]]] = {"cuda": {"norm": ["gemm"], "concat": ["conv", "pool"]}}
+TARGET_EXCLUSIONS: dict[str, dict[str, list[str]]] = {
+    "cuda": {"norm": ["gemm"], "concat": list(CONCAT_READERS)}
+}
 
 # Rough FLOPs per output element, for the cost model. Anything unlisted counts 1.
 FLOPS_PER_ELEMENT: dict[str, float] = {

@@ -26,6 +26,7 @@ from tvm import relax
 
 from ..ir import count_uses, graph_functions, reads_pieces_in_place
 from ..policy import (
+    CONCAT_READERS,
     ELEMENTWISE,
     FLOPS_PER_ELEMENT,
     FREE_REMAPS,
@@ -176,7 +177,7 @@ class FusionPlanner:
                 reason=f"group already has max_fusion_depth={policy.max_fusion_depth} ops "
                 "(views and concats not counted)",
             )
-        if producer.op_class == "concat" and consumer.op_class in ("conv", "pool"):
+        if producer.op_class == "concat" and consumer.op_class in CONCAT_READERS:
             if not (consumer.call.args[0].same_as(arg) and reads_pieces_in_place(consumer.call)):
                 return Decision(
                     **edge,

@@ -27,13 +27,11 @@ from ..ir import (
     reads_pieces_in_place,
     with_functions,
 )
-from ..policy import FusionPolicy
+from ..policy import CONCAT_READERS, FusionPolicy
 
 __all__ = ["ConcatPerReader"]
 
 _CONCAT = "relax.concat"
-# the op classes that read a concat as their first argument and may take it in front
-READERS = ("conv", "pool")
 
 
 @relax.expr_functor.mutator
@@ -63,7 +61,7 @@ class ConcatPerReader:
 
     def __init__(self, policy: FusionPolicy | None = None):
         policy = FusionPolicy.coerce(policy)
-        classes = [c for c in policy.vertical.get("concat", []) if c in READERS]
+        classes = [c for c in policy.vertical.get("concat", []) if c in CONCAT_READERS]
         self.reader_ops = {f"relax.{op}" for c in classes for op in policy.op_classes.get(c, [])}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
