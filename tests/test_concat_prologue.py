@@ -9,7 +9,7 @@ from tvm import relax, tirx
 
 from tvm_fusion import FusionPolicy, build
 from tvm_fusion.ir import op_calls
-from tvm_fusion.passes import ConcatPerReader
+from tvm_fusion.passes import ConcatPerReader, MergeUnfusedConcats
 from tvm_fusion.policy import DEFAULT_VERTICAL
 from tvm_fusion.schedules.plane import is_piece_select, piece_bounds
 from tvm_fusion.targets import parse_target
@@ -129,6 +129,19 @@ def test_without_the_policy_edges_the_concat_is_its_own_kernel(cpu_target):
         assert rel_err(got, ref) < 1e-5
 
 
+def test_copies_the_planner_leaves_unfused_are_written_once(cpu_target):
+    """ConcatPerReader copies a shared concat before the planner decides; with a benefit threshold
+    no edge meets, no copy fuses, and the pipeline's CSE merges them back: one concat call."""
+    model, feeds = branches_model([24, 40, -8], [("conv", 96, 1), ("maxpool",)])
+    result = build(model, cpu_target, policy=FusionPolicy(benefit_threshold_us=1e9), tuning_logs=None)
+    concat = [n for n in kernel_names(result) if n.startswith("concatenate")]
+    assert len(concat) == 1 and not [n for n in kernel_names(result) if "fused_concat" in n]
+    calls = [ln for ln in result.lowered["main"].script().splitlines() if f"R.call_tir({concat[0]}," in ln]
+    assert len(calls) == 1, calls
+    for got, ref in zip(run_outputs(result.executable, feeds), ort_outputs(model, feeds)):
+        assert rel_err(got, ref) < 1e-5
+
+
 def _shared_concat(bb, x):
     """concat(relu(x), x) read by two convs and an add (a reader of another kind)."""
     cat = bb.emit(relax.op.concat([bb.emit(relax.op.nn.relu(x)), x], axis=1))
@@ -160,6 +173,26 @@ def test_concat_per_reader_follows_the_policy():
     # on CUDA the concat stays apart (TARGET_EXCLUSIONS): nothing to copy for
     assert ConcatPerReader(FusionPolicy().for_target(parse_target("cuda")))(mod).same_as(mod)
     assert "conv" in DEFAULT_VERTICAL["concat"] and "pool" in DEFAULT_VERTICAL["concat"]
+
+
+def test_merge_unfused_concats_merges_only_equal_concats():
+    def graph(bb, x):
+        y = bb.emit(relax.op.nn.relu(x))
+        a = bb.emit(relax.op.concat([y, x], axis=1))
+        b = bb.emit(relax.op.concat([y, x], axis=1))  # a twin of a
+        c = bb.emit(relax.op.concat([x, y], axis=1))  # other order
+        d = bb.emit(relax.op.concat([y, x], axis=0))  # other axis
+        return relax.Tuple([bb.emit(relax.op.add(a, b)), c, d])
+
+    mod = relax_main({"x": (1, 8, 5, 5)}, graph)
+    merged = MergeUnfusedConcats()(mod)
+    assert len(op_calls(merged["main"], {"relax.concat"})) == 3
+    add = op_calls(merged["main"], {"relax.add"})[0]
+    assert add.args[0].same_as(add.args[1])
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 8, 5, 5)).astype("float32")}
+    for got, ref in zip(run_outputs(merged, feeds), run_outputs(mod, feeds)):
+        np.testing.assert_allclose(got, ref, rtol=1e-6)
+    assert MergeUnfusedConcats()(merged).same_as(merged)
 
 
 def test_piece_bounds_of_a_concat_block():

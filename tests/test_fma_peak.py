@@ -15,7 +15,7 @@ from tvm_fusion.targets import llvm_target
 
 def _hot_loop(asm: str) -> list[str]:
     """The instructions of the loop that holds the first FMA: from its label to the jump back."""
-    lines = [ln.strip() for ln in asm.splitlines()]
+    lines = [ln.split("#")[0].strip() for ln in asm.splitlines()]  # without verbose-asm comments
     first = next(i for i, ln in enumerate(lines) if ln.startswith("vfmadd"))
     start = max(i for i in range(first) if re.match(r"^\.?L\w+:", lines[i]))
     label = lines[start].rstrip(":")

@@ -38,7 +38,8 @@ Order, and why:
    ``WidenLongReductions`` (CPU): a mean / variance / sum over thousands of elements (a
    GroupNorm's statistics) accumulates in float64, or its float32 rounding error compounds
    through the layers.
-5. ``ApplyFusionPolicy``: groups named ops into Primitive functions as the policy decides.
+5. ``ConcatPerReader`` + ``ApplyFusionPolicy``: groups named ops into Primitive functions as the
+   policy decides; ``MergeUnfusedConcats`` then merges the concat copies it left unfused.
 6. ``LowerAttention``: fused attention (and ``R.nn.attention``) becomes the target's
    FlashAttention-style kernel (``schedules/attention.py``), already scheduled.
    ``LegalizeOps``, ``AnnotateTIROpPattern``, ``FoldConstant``, ``FuseTIR``: one PrimFunc per group.
@@ -78,6 +79,7 @@ from .passes import (
     HorizontalFuse,
     LinearResizeAsMatmul,
     MarkSingleBufferNoAlias,
+    MergeUnfusedConcats,
     PadConvChannels,
     PoolBeforePointwiseConv,
     RecognizeGroupNorm,
@@ -189,7 +191,10 @@ def pipeline_stages(
     if target.kind.name == "llvm":  # its statistics too (GPU reductions are trees: not needed)
         rewrite.append(WidenLongReductions())
     rewrite.append(PadConvChannels(target))  # whole vectors of output channels (CPU, NCHW)
-    fuse = [ConcatPerReader(policy.for_target(target)), ApplyFusionPolicy(policy, target)] if fusion else []
+    fuse = []
+    if fusion:
+        fuse += [ConcatPerReader(policy.for_target(target)), ApplyFusionPolicy(policy, target)]
+        fuse.append(MergeUnfusedConcats())  # the copies the planner did not fuse: written once
     fuse += [
         LowerAttention(target),
         _legalize(conv_algorithms, strassen),

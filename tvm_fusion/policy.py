@@ -214,12 +214,11 @@ class Roofline:
         )
 
     @classmethod
-    def measure(cls, size_mb: int = 64, tries: int = 10, target=None) -> Roofline:
+    def measure(cls, size_mb: int = 64, *, tries: int = 10, target=None) -> Roofline:
         """Measure this machine (takes ~1 s): copy bandwidth with numpy, and the FMA peak with a
         kernel TVM compiles for ``target`` (:func:`tvm_fusion.fma_peak.fma_peak_gflops`; the
         host's LLVM target by default). Each is the best of ``tries``, since on a shared machine
-        other tenants only ever make a try slower. The peak was numpy's GEMM rate before (182
-        GFLOP/s on the 2-core AVX-512 VM where our GEMMs run at 220 and the FMA kernel at 236)."""
+        other tenants only ever make a try slower."""
         from .fma_peak import fma_peak_gflops  # pylint: disable=import-outside-toplevel
 
         src = np.ones(size_mb << 18, dtype=np.float32)

@@ -3,7 +3,7 @@
 from .apply_fusion_policy import ApplyFusionPolicy, explain, plan_module
 from .bind_unknown_shapes import BindUnknownShapes
 from .canonicalize_activations import CanonicalizeActivations
-from .concat_per_reader import ConcatPerReader
+from .concat_per_reader import ConcatPerReader, MergeUnfusedConcats
 from .decompose_group_norm import DecomposeGroupNorm
 from .fold_batch_norm import FoldBatchNorm
 from .fold_constant_calls import FoldConstantCalls
@@ -37,6 +37,7 @@ __all__ = [
     "HorizontalFuse",
     "LinearResizeAsMatmul",
     "MarkSingleBufferNoAlias",
+    "MergeUnfusedConcats",
     "PadConvChannels",
     "PoolBeforePointwiseConv",
     "RecognizeGroupNorm",

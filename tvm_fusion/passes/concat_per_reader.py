@@ -10,12 +10,16 @@ fuse it. Readers of other kinds keep the original (written once, as before).
 
 Only readers that can take it with the pieces read in place (``ir.reads_pieces_in_place``: pools,
 1x1 convs) and whose class the policy lets follow a concat (``vertical["concat"]``) get a copy:
-with the policy's concat -> conv / pool edges removed this pass does nothing.
+with the policy's concat -> conv / pool edges removed this pass does nothing. A copy the planner
+then leaves unfused (a policy's higher benefit threshold, say) would be one more write of the
+joined tensor: ``MergeUnfusedConcats``, right after ``ApplyFusionPolicy``, merges such copies
+back into one.
 """
 
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from ..ir import (
@@ -29,7 +33,7 @@ from ..ir import (
 )
 from ..policy import CONCAT_READERS, FusionPolicy
 
-__all__ = ["ConcatPerReader"]
+__all__ = ["ConcatPerReader", "MergeUnfusedConcats"]
 
 _CONCAT = "relax.concat"
 
@@ -75,4 +79,49 @@ class ConcatPerReader:
             rewritten = rewriter.visit_expr(func)
             if rewriter.rewrote:
                 updates[gvar] = relax.analysis.remove_all_unused(rewritten)
+        return with_functions(mod, updates)
+
+
+@relax.expr_functor.mutator
+class _Merger(relax.PyExprMutator):
+    """Binds every concat equal to an earlier one (same pieces, same axis) to that one."""
+
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.seen: list[tuple[relax.Call, relax.Var]] = []
+        self.merged = False
+
+    def visit_var_binding_(self, binding):
+        value = binding.value
+        if op_name(value) == _CONCAT:
+            value = self.visit_expr(value)  # its pieces may be merged copies themselves
+            twin = next((var for call, var in self.seen if tvm_ffi.structural_equal(call, value)), None)
+            # (a block's output may not be bound to one of its dataflow vars)
+            local_twin = isinstance(twin, relax.DataflowVar) and not isinstance(
+                binding.var, relax.DataflowVar
+            )
+            if twin is not None and not local_twin:
+                self.set_var_remap(binding.var, twin)
+                self.merged = True
+                return
+            self.seen.append((value, binding.var))
+        super().visit_var_binding_(binding)
+
+
+@tvm.transform.module_pass(opt_level=0, name="MergeUnfusedConcats")
+class MergeUnfusedConcats:
+    """Merge the concat calls left equal in a graph function (copies ``ConcatPerReader`` made for
+    readers the planner then did not fuse them into) back into one. Only ``relax.concat`` calls in
+    graph functions: fused kernels, and so tuning records' keys, are not touched (a general CSE
+    would also merge calls inside the fused groups and change their PrimFuncs)."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        updates = {}
+        for gvar, func in graph_functions(mod):
+            if len(op_calls(func, {_CONCAT})) < 2:
+                continue
+            merger = _Merger(mod)
+            merged = merger.visit_expr(func)
+            if merger.merged:
+                updates[gvar] = relax.analysis.remove_all_unused(merged)
         return with_functions(mod, updates)
