@@ -44,7 +44,7 @@ def _kernel(tasks: int, lanes: int, steps: int):
     return fma_chains
 
 
-def fma_peak_gflops(target=None, tries: int = 5) -> float:
+def fma_peak_gflops(target=None, tries: int = 10) -> float:
     """FP32 GFLOP/s of independent FMA chains on every core of ``target``: an LLVM target (``"llvm"``
     means this host's CPU, as everywhere in tvm_fusion), else this host's: the best of ``tries``
     calls, since other tenants only make a call slower."""
