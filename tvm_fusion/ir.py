@@ -109,6 +109,22 @@ def rewrite_functions(mod: tvm.IRModule, names, applies, rewriter) -> tvm.IRModu
     return with_functions(mod, updates)
 
 
+def rewrite_and_prune(mod: tvm.IRModule, needs, make_rewriter) -> tvm.IRModule:
+    """``mod`` with every graph function for which ``needs(func)`` holds visited by
+    ``make_rewriter(func)`` (a ``PyExprMutator`` that sets ``rewrote`` when it changes something),
+    the bindings the rewrite left unused then removed; the other functions, and ``mod`` itself when
+    nothing changed, are left as they are."""
+    updates = {}
+    for gvar, func in graph_functions(mod):
+        if not needs(func):
+            continue
+        rewriter = make_rewriter(func)
+        rewritten = rewriter.visit_expr(func)
+        if rewriter.rewrote:
+            updates[gvar] = relax.analysis.remove_all_unused(rewritten)
+    return with_functions(mod, updates)
+
+
 def with_bindings(func: relax.Function, replace: dict) -> relax.Function:
     """``func`` with the values bound to the vars in ``replace`` swapped for the new ones; the vars,
     and so every use of them, are kept."""

@@ -25,11 +25,10 @@ from tvm import relax
 from ..ir import (
     UseCountingMutator,
     count_uses,
-    graph_functions,
     op_calls,
     op_name,
     reads_pieces_in_place,
-    with_functions,
+    rewrite_and_prune,
 )
 from ..policy import CONCAT_READERS, FusionPolicy
 
@@ -71,15 +70,11 @@ class ConcatPerReader:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         if not self.reader_ops:
             return mod
-        updates = {}
-        for gvar, func in graph_functions(mod):
-            if not op_calls(func, {_CONCAT}):
-                continue
-            rewriter = _Rewriter(mod, count_uses(func), self.reader_ops)
-            rewritten = rewriter.visit_expr(func)
-            if rewriter.rewrote:
-                updates[gvar] = relax.analysis.remove_all_unused(rewritten)
-        return with_functions(mod, updates)
+        return rewrite_and_prune(
+            mod,
+            lambda func: op_calls(func, {_CONCAT}),
+            lambda func: _Rewriter(mod, count_uses(func), self.reader_ops),
+        )
 
 
 @relax.expr_functor.mutator
@@ -89,7 +84,7 @@ class _Merger(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule):
         super().__init__(mod)
         self.seen: list[tuple[relax.Call, relax.Var]] = []
-        self.merged = False
+        self.rewrote = False
 
     def visit_var_binding_(self, binding):
         value = binding.value
@@ -102,7 +97,7 @@ class _Merger(relax.PyExprMutator):
             )
             if twin is not None and not local_twin:
                 self.set_var_remap(binding.var, twin)
-                self.merged = True
+                self.rewrote = True
                 return
             self.seen.append((value, binding.var))
         super().visit_var_binding_(binding)
@@ -116,12 +111,6 @@ class MergeUnfusedConcats:
     would also merge calls inside the fused groups and change their PrimFuncs)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {}
-        for gvar, func in graph_functions(mod):
-            if len(op_calls(func, {_CONCAT})) < 2:
-                continue
-            merger = _Merger(mod)
-            merged = merger.visit_expr(func)
-            if merger.merged:
-                updates[gvar] = relax.analysis.remove_all_unused(merged)
-        return with_functions(mod, updates)
+        return rewrite_and_prune(
+            mod, lambda func: len(op_calls(func, {_CONCAT})) >= 2, lambda func: _Merger(mod)
+        )

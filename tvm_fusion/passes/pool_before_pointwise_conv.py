@@ -22,12 +22,11 @@ from tvm import relax
 from ..ir import (
     UseCountingMutator,
     count_uses,
-    graph_functions,
     is_pointwise_conv,
     op_calls,
     op_name,
+    rewrite_and_prune,
     static_shape,
-    with_functions,
 )
 
 __all__ = ["PoolBeforePointwiseConv"]
@@ -88,12 +87,6 @@ class PoolBeforePointwiseConv:
     pool keeps fewer pixels than it reads."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {}
-        for gvar, func in graph_functions(mod):
-            if not op_calls(func, {_POOL}):
-                continue
-            rewriter = _Rewriter(mod, count_uses(func))
-            rewritten = rewriter.visit_expr(func)
-            if rewriter.rewrote:
-                updates[gvar] = relax.analysis.remove_all_unused(rewritten)
-        return with_functions(mod, updates)
+        return rewrite_and_prune(
+            mod, lambda func: op_calls(func, {_POOL}), lambda func: _Rewriter(mod, count_uses(func))
+        )

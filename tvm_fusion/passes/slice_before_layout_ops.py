@@ -19,7 +19,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import graph_functions, op_calls, op_name, static_shape, with_functions
+from ..ir import op_calls, op_name, rewrite_and_prune, static_shape
 from .slice_before_rowwise_ops import take_index
 
 __all__ = ["SliceBeforeLayoutOps"]
@@ -100,12 +100,8 @@ class SliceBeforeLayoutOps:
     view's source, where it reads one contiguous block of one source axis."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {}
-        for gvar, func in graph_functions(mod):
-            if not any(take_index(call) is not None for call in op_calls(func, {_TAKE})):
-                continue
-            rewriter = _Rewriter(mod)
-            rewritten = rewriter.visit_expr(func)
-            if rewriter.rewrote:
-                updates[gvar] = relax.analysis.remove_all_unused(rewritten)
-        return with_functions(mod, updates)
+        return rewrite_and_prune(
+            mod,
+            lambda func: any(take_index(call) is not None for call in op_calls(func, {_TAKE})),
+            lambda func: _Rewriter(mod),
+        )
