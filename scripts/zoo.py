@@ -539,7 +539,7 @@ def machine_peak(rows: list[dict], threads: int | None) -> tuple[float | None, s
         return None, "not measured: no row has a rate"
     measured = [r["fma_peak_gflops"] for r in rows if r.get("fma_peak_gflops")]
     if measured:
-        return float(np.median(measured)), f"the median of the peaks measured with {len(measured)} rows"
+        return float(np.median(measured)), f"the median of the peaks stored with the rows ({len(measured)})"
     from tvm_fusion.fma_peak import fma_peak_gflops
     from tvm_fusion.targets import llvm_target
 

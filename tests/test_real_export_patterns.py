@@ -615,8 +615,8 @@ def test_zoo_report_shows_how_a_file_had_to_be_exported(tmp_path):
 
 
 def test_zoo_report_shows_the_rate_each_model_ran_at(tmp_path):
-    """The zoo table's GFLOP/s column: the model's counted FLOPs over our latency (how close a row
-    is to the machine's peak), blank where either is missing; ``model_gflop`` counts a matmul's
+    """The zoo table's GFLOP/s column: the model's counted FLOPs over our latency, blank where either
+    is missing, and the % of the FMA peak stored with the rows; ``model_gflop`` counts a matmul's
     2·M·N·K."""
     zoo = _zoo_script()
     m, k, n = 512, 1024, 1024
@@ -628,13 +628,15 @@ def test_zoo_report_shows_the_rate_each_model_ran_at(tmp_path):
     )
     assert zoo.model_gflop(model) == 1.074  # 2 * 512 * 1024 * 1024 / 1e9
     timed = {"model": "bert", "exporter": "dynamo", "gflop": 22.0, "ms_ours": 110.0, "ms_ort": 130.0}
+    timed["fma_peak_gflops"] = 250.0
     untimed = {"model": "gpt2", "exporter": "dynamo", "gflop": 22.0}
     md = tmp_path / "zoo.md"
     zoo.write_report({"bert.dynamo": timed, "gpt2.dynamo": untimed}, md, tmp_path / "zoo.png")
     text = md.read_text()
-    assert "| ms ours | × ORT | GFLOP/s ours |" in text
-    assert "| bert | dynamo | — | — | — | 130.00 | 110.00 | 0.85 | 200 | — | — |" in text
-    assert "| gpt2 | dynamo | — | — | — | — | — | — | — | — | — |" in text
+    assert "| ms ours | × ORT | GFLOP/s ours | % peak |" in text
+    assert "| bert | dynamo | — | — | — | 130.00 | 110.00 | 0.85 | 200 | 80 | — | — |" in text
+    assert "| gpt2 | dynamo | — | — | — | — | — | — | — | — | — | — |" in text
+    assert "FMA peak: 250 GFLOP/s, the median of the peaks stored with the rows (1)" in text
 
 
 def test_more_models_report_counts_only_rows_that_built_and_matched(tmp_path):
