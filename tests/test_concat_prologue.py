@@ -182,13 +182,16 @@ def test_merge_unfused_concats_merges_only_equal_concats():
         b = bb.emit(relax.op.concat([y, x], axis=1))  # a twin of a
         c = bb.emit(relax.op.concat([x, y], axis=1))  # other order
         d = bb.emit(relax.op.concat([y, x], axis=0))  # other axis
-        return relax.Tuple([bb.emit(relax.op.add(a, b)), c, d])
+        e = bb.emit(relax.op.concat([b, y], axis=1))  # equal to f once b is a
+        f = bb.emit(relax.op.concat([a, y], axis=1))
+        return relax.Tuple([bb.emit(relax.op.add(a, b)), c, d, bb.emit(relax.op.add(e, f))])
 
     mod = relax_main({"x": (1, 8, 5, 5)}, graph)
     merged = MergeUnfusedConcats()(mod)
-    assert len(op_calls(merged["main"], {"relax.concat"})) == 3
-    add = op_calls(merged["main"], {"relax.add"})[0]
-    assert add.args[0].same_as(add.args[1])
+    assert relax.analysis.check_well_formed(merged)
+    assert len(op_calls(merged["main"], {"relax.concat"})) == 4
+    for add in op_calls(merged["main"], {"relax.add"}):
+        assert add.args[0].same_as(add.args[1])
     feeds = {"x": np.random.default_rng(0).standard_normal((1, 8, 5, 5)).astype("float32")}
     for got, ref in zip(run_outputs(merged, feeds), run_outputs(mod, feeds)):
         np.testing.assert_allclose(got, ref, rtol=1e-6)

@@ -87,20 +87,19 @@ class _Merger(relax.PyExprMutator):
         self.rewrote = False
 
     def visit_var_binding_(self, binding):
-        value = binding.value
-        if op_name(value) == _CONCAT:
-            value = self.visit_expr(value)  # its pieces may be merged copies themselves
-            twin = next((var for call, var in self.seen if tvm_ffi.structural_equal(call, value)), None)
-            # (a block's output may not be bound to one of its dataflow vars)
-            local_twin = isinstance(twin, relax.DataflowVar) and not isinstance(
-                binding.var, relax.DataflowVar
-            )
-            if twin is not None and not local_twin:
-                self.set_var_remap(binding.var, twin)
-                self.rewrote = True
-                return
-            self.seen.append((value, binding.var))
+        if op_name(binding.value) != _CONCAT:
+            super().visit_var_binding_(binding)
+            return
+        value = self.visit_expr(binding.value)  # its pieces may be merged copies themselves
+        twin = next((var for call, var in self.seen if tvm_ffi.structural_equal(call, value)), None)
+        # (a block's output may not be bound to one of its dataflow vars)
+        local_twin = isinstance(twin, relax.DataflowVar) and not isinstance(binding.var, relax.DataflowVar)
+        if twin is not None and not local_twin:
+            self.set_var_remap(binding.var, twin)
+            self.rewrote = True
+            return
         super().visit_var_binding_(binding)
+        self.seen.append((value, self.visit_expr(binding.var)))  # the var it is bound to now
 
 
 @tvm.transform.module_pass(opt_level=0, name="MergeUnfusedConcats")
