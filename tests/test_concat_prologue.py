@@ -198,6 +198,31 @@ def test_merge_unfused_concats_merges_only_equal_concats():
     assert MergeUnfusedConcats()(merged).same_as(merged)
 
 
+def test_merge_unfused_concats_stays_within_a_binding_block():
+    from tvm.script import ir as I
+    from tvm.script import relax as R
+
+    @I.ir_module
+    class Module:
+        @R.function
+        def main(x: R.Tensor((1, 8, 5, 5), "float32")):
+            with R.dataflow():
+                a = R.concat((x, x), axis=1)
+                b = R.concat((x, x), axis=1)
+                c = R.add(a, b)
+                R.output(c)
+            f = R.concat((x, x), axis=1)  # in a block of its own, outside the dataflow blocks
+            with R.dataflow():
+                d = R.concat((x, x), axis=1)  # equal to a, but a is out of scope here
+                e = R.add(d, c)
+                R.output(e)
+            return R.add(e, f)
+
+    merged = MergeUnfusedConcats()(Module)
+    assert relax.analysis.check_well_formed(merged)
+    assert len(op_calls(merged["main"], {"relax.concat"})) == 3
+
+
 def test_piece_bounds_of_a_concat_block():
     import tvm
     from tvm import te

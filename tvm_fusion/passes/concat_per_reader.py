@@ -79,22 +79,45 @@ class ConcatPerReader:
 
 @relax.expr_functor.mutator
 class _Merger(relax.PyExprMutator):
-    """Binds every concat equal to an earlier one (same pieces, same axis) to that one."""
+    """Binds every concat equal to an earlier one of the same binding block (same pieces, same
+    axis) to that one: within a block every earlier var is in scope, and a block's output var is
+    not bound to one of its dataflow vars. (Blocks nested in an ``If`` start afresh and leave
+    nothing behind.)"""
 
     def __init__(self, mod: tvm.IRModule):
         super().__init__(mod)
         self.seen: list[tuple[relax.Call, relax.Var]] = []
         self.rewrote = False
 
+    def visit_binding_block_(self, block):
+        return self._in_own_scope(super().visit_binding_block_, block)
+
+    def visit_dataflow_block_(self, block):
+        return self._in_own_scope(super().visit_dataflow_block_, block)
+
+    def _in_own_scope(self, visit, block):
+        outer, self.seen = self.seen, []
+        try:
+            return visit(block)
+        finally:
+            self.seen = outer
+
     def visit_var_binding_(self, binding):
         if op_name(binding.value) != _CONCAT:
             super().visit_var_binding_(binding)
             return
         value = self.visit_expr(binding.value)  # its pieces may be merged copies themselves
-        twin = next((var for call, var in self.seen if tvm_ffi.structural_equal(call, value)), None)
-        # (a block's output may not be bound to one of its dataflow vars)
-        local_twin = isinstance(twin, relax.DataflowVar) and not isinstance(binding.var, relax.DataflowVar)
-        if twin is not None and not local_twin:
+        dataflow_ok = isinstance(binding.var, relax.DataflowVar)
+        twin = next(
+            (
+                var
+                for call, var in self.seen
+                if (dataflow_ok or not isinstance(var, relax.DataflowVar))
+                and tvm_ffi.structural_equal(call, value)
+            ),
+            None,
+        )
+        if twin is not None:
             self.set_var_remap(binding.var, twin)
             self.rewrote = True
             return
@@ -104,10 +127,11 @@ class _Merger(relax.PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="MergeUnfusedConcats")
 class MergeUnfusedConcats:
-    """Merge the concat calls left equal in a graph function (copies ``ConcatPerReader`` made for
-    readers the planner then did not fuse them into) back into one. Only ``relax.concat`` calls in
-    graph functions: fused kernels, and so tuning records' keys, are not touched (a general CSE
-    would also merge calls inside the fused groups and change their PrimFuncs)."""
+    """Merge the concat calls left equal in a binding block of a graph function back into one: the
+    copies ``ConcatPerReader`` made for readers the planner then did not fuse them into (and any
+    equal concats the model had itself). Only ``relax.concat`` calls in graph functions: fused
+    kernels, and so tuning records' keys, are not touched (a general CSE would also merge calls
+    inside the fused groups and change their PrimFuncs)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         return rewrite_and_prune(
