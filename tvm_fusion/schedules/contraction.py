@@ -270,7 +270,7 @@ class Contraction(CpuRule):
             blocking = options[knobs.choose(sch, "block", len(options))]
             if blocking is not None and piece_step is not None and piece_step % blocking[1]:
                 # chunks must not straddle the pieces: the largest divisor of their step below it
-                chunk = max(d for d in range(1, blocking[1] + 1) if piece_step % d == 0)
+                chunk = divisors_upto(piece_step, blocking[1])[-1]
                 blocking = (blocking[0], chunk) if chunk >= MIN_CHUNK_STEPS else None
         task_local = None
         if blocking is None and not small:

@@ -34,17 +34,16 @@ def inline_plain_copies(sch, main, max_piece_copies: int = 0) -> bool:
     piece selects (a concat behind the ``pad_temp`` copy) that ``main`` reads along one of its
     reduction iters in at most ``max_piece_copies`` equal steps (the caller splits the loop
     there, see ``contraction._split_at_pieces``). True if any was inlined."""
-    changed = progress = False
-    while True:
-        for blk in sch.get_producers(main):
-            block = sch.get(blk)
-            inline = is_plain_copy(block) or _reduced_piece_select(sch.get(main), block, max_piece_copies)
-            if inline and try_primitive(sch.compute_inline, blk):
-                changed = progress = True
-                break  # the producers changed: look again
-        if not progress:
-            return changed
-        progress = False
+
+    def inlinable(blk) -> bool:
+        block = sch.get(blk)
+        return is_plain_copy(block) or _reduced_piece_select(sch.get(main), block, max_piece_copies)
+
+    changed = False
+    # one inline at a time (``any`` stops at the first): it changes the producers, so look again
+    while any(inlinable(blk) and try_primitive(sch.compute_inline, blk) for blk in sch.get_producers(main)):
+        changed = True
+    return changed
 
 
 def _reduced_piece_select(main, block, max_copies: int) -> bool:
