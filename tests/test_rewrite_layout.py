@@ -414,16 +414,28 @@ def test_a_channels_last_model_builds_in_nhwc_on_cpu():
     """The CPU pipeline keeps NCHW, but a model whose convs sit between its own NHWC permutes
     (ConvNeXt) goes NHWC: its permutes become the identity, and the only transforms left are the
     model input's and output's (in NCHW: a transpose and a transposing layer-scale kernel in
-    every block). A conv net without such permutes stays NCHW."""
+    every block). A conv net without such permutes stays NCHW. The permute that became the
+    identity leaves no ``y = x`` binding: the layer scale and the residual add fuse into the
+    second linear's epilogue (with the binding, the fusion chain ended at the linear's bias)."""
     import tvm_fusion
 
     model = _convnext_block()
     assert choose_layout(ZNVER3, rl.AS_MODEL, import_onnx(model).mod) == "NHWC"
     assert choose_layout(ZNVER3, rl.AS_MODEL, import_onnx(_fire_module()).mod) == "NCHW"
+    rewritten = RewriteLayout(target=ZNVER3, layout="NHWC")(import_onnx(model).mod)
+    aliases = [
+        b.var.name
+        for block in rewritten["main"].body.blocks
+        for b in block.bindings
+        if isinstance(b.value, relax.Var)
+    ]
+    assert not aliases
     result = tvm_fusion.build(model, llvm_target(), tuning_logs=None)
     kernels = [gv.name_hint for gv, f in result.lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
     assert not [k for k in kernels if "transpose" in k or "permute" in k]
     assert len([k for k in kernels if "layout_transform" in k]) == 2  # the input's, the output's
+    assert [k for k in kernels if k.startswith("fused_matmul_add_multiply_add")]
+    assert not [k for k in kernels if k.startswith("fused_multiply_add")]
     feeds = models.random_inputs(model)
     vm = relax.VirtualMachine(result.executable, tvm.cpu())
     ours = vm["main"](*[tvm.runtime.tensor(v) for v in feeds.values()]).numpy()

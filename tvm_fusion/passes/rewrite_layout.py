@@ -450,16 +450,15 @@ class _LayoutRewriter(relax.PyExprMutator):
         if converted is not None and converted[0] is None:
             # a plain (layout-free) result computed from the native tensor: permute_dims(x,
             # [0, 2, 3, 1]) of NHWC x is x itself; a spatial mean without keepdims is [N, C]
-            new = self.builder_.emit(converted[1], name_hint=var.name)
-            if not isinstance(var, relax.DataflowVar):
-                new = self.builder_.emit_output(new, name_hint=var.name)
-            self.set_var_remap(var, new)
+            if isinstance(var, relax.DataflowVar):
+                self.set_var_remap(var, self._bind(converted[1], var))
+            else:
+                self.set_var_remap(var, self.builder_.emit_output(converted[1], name_hint=var.name))
             return
         if converted is not None:
             lay, expr = converted
             if isinstance(var, relax.DataflowVar):
-                new = self.builder_.emit(expr, name_hint=var.name)
-                self.native[var] = (lay, new)
+                self.native[var] = (lay, self._bind(expr, var))
             else:  # block output: used outside the dataflow block, so hand back NCHW
                 new = self.builder_.emit(expr)
                 self.native[var] = (lay, new)
@@ -480,6 +479,12 @@ class _LayoutRewriter(relax.PyExprMutator):
             if fv in self.native:
                 self.set_var_remap(fv, self._nchw(fv))
         super().visit_var_binding_(binding)
+
+    def _bind(self, expr, var):
+        """``expr`` bound to a new dataflow var named after ``var``, or ``expr`` itself when it is a
+        var already (a permute the layout makes the identity): a ``var = x`` binding would end
+        the fusion chain at ``x``, since the planner extends a group only by readers of its last op."""
+        return expr if isinstance(expr, relax.Var) else self.builder_.emit(expr, name_hint=var.name)
 
     def _convert(self, call: relax.Call):
         """(layout, new expr) if ``call`` runs in the target layout, else None."""
