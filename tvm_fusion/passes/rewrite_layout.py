@@ -460,7 +460,7 @@ class _LayoutRewriter(relax.PyExprMutator):
             if isinstance(var, relax.DataflowVar):
                 self.native[var] = (lay, self._bind(expr, var))
             else:  # block output: used outside the dataflow block, so hand back NCHW
-                new = self.builder_.emit(expr)
+                new = self._bind(expr, var)
                 self.native[var] = (lay, new)
                 if isinstance(new.ty, relax.TupleType) or var in self.adopted:
                     back = self._nchw(var)
