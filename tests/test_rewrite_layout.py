@@ -15,6 +15,7 @@ from tvm_fusion import models
 from tvm_fusion.frontend import import_onnx
 from tvm_fusion.legalize import stock_legalization
 from tvm_fusion.legalize.nchwc_conv import legalize_conv2d_nchwc
+from tvm_fusion.passes import explain
 from tvm_fusion.passes import rewrite_layout as rl
 from tvm_fusion.passes.rewrite_layout import RewriteLayout, choose_layout, count_layout_transforms
 from tvm_fusion.targets import llvm_target
@@ -98,6 +99,12 @@ def _module(build):
             out = bb.emit_output(build(bb, x))
         bb.emit_func_output(out)
     return bb.get()
+
+
+def _aliases(mod) -> list[str]:
+    """Vars of ``main`` bound to another var (``y = x``)."""
+    blocks = mod["main"].body.blocks
+    return [b.var.name for block in blocks for b in block.bindings if isinstance(b.value, relax.Var)]
 
 
 def _rand(*shape, seed=0):
@@ -242,15 +249,20 @@ def test_hand_written_pair_is_cancelled():
     from_c = rl._Layout(8).from_map()
 
     def build(bb, x):
-        y = bb.emit(relax.op.layout_transform(x, to_c))
+        y = bb.emit(relax.op.nn.relu(x))
+        y = bb.emit(relax.op.layout_transform(y, to_c))
         y = bb.emit(relax.op.layout_transform(y, from_c))
-        return relax.op.nn.relu(y)
+        return relax.op.sigmoid(y)
 
     mod = _module(build)
     assert count_layout_transforms(mod) == 2
     for layout in ("NCHW", None):  # also when the pass would otherwise leave the graph alone
         new = RewriteLayout(target=ZNVER3, layout=layout)(mod)
         assert count_layout_transforms(new) == 0
+        # the sigmoid reads the relu's var: a `y = x` binding left for the cancelled pair would
+        # end the fusion chain at the relu (the planner extends a group by its last op's readers)
+        assert not _aliases(new)
+        assert "fused_relu_sigmoid" in explain(new, target=ZNVER3)
     x = {"x": _rand(1, 16, 8, 8)}
     np.testing.assert_allclose(_run(new, x), _run(mod, x), atol=0, rtol=0)
 
@@ -422,14 +434,7 @@ def test_a_channels_last_model_builds_in_nhwc_on_cpu():
     model = _convnext_block()
     assert choose_layout(ZNVER3, rl.AS_MODEL, import_onnx(model).mod) == "NHWC"
     assert choose_layout(ZNVER3, rl.AS_MODEL, import_onnx(_fire_module()).mod) == "NCHW"
-    rewritten = RewriteLayout(target=ZNVER3, layout="NHWC")(import_onnx(model).mod)
-    aliases = [
-        b.var.name
-        for block in rewritten["main"].body.blocks
-        for b in block.bindings
-        if isinstance(b.value, relax.Var)
-    ]
-    assert not aliases
+    assert not _aliases(RewriteLayout(target=ZNVER3, layout="NHWC")(import_onnx(model).mod))
     result = tvm_fusion.build(model, llvm_target(), tuning_logs=None)
     kernels = [gv.name_hint for gv, f in result.lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
     assert not [k for k in kernels if "transpose" in k or "permute" in k]

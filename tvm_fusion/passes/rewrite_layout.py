@@ -933,6 +933,23 @@ class _TransformCleaner(relax.PyExprMutator):
             expr = bound
         return expr
 
+    def visit_var_binding_(self, binding):
+        value = binding.value
+        if not (
+            isinstance(binding.var, relax.DataflowVar)
+            and isinstance(value, relax.Call)
+            and value.op.same_as(_LT)
+        ):
+            return super().visit_var_binding_(binding)
+        new = self.visit_expr(value)
+        # a cancelled pair is its source: readers read that var (a `y = x` binding would end the
+        # fusion chain at x, since the planner extends a group only by readers of its last op)
+        self.set_var_remap(
+            binding.var,
+            new if isinstance(new, relax.Var) else self.builder_.emit(new, name_hint=binding.var.name),
+        )
+        return None
+
     def visit_call_(self, call):
         call = super().visit_call_(call)
         if not isinstance(call.op, Op) or not call.op.same_as(_LT):
