@@ -12,7 +12,7 @@ from tvm_fusion import FusionPolicy, Roofline, models
 from tvm_fusion.errors import TvmFusionError
 from tvm_fusion.frontend import import_onnx
 from tvm_fusion.legalize import LegalizeOps
-from tvm_fusion.passes import ApplyFusionPolicy, plan_module
+from tvm_fusion.passes import ApplyFusionPolicy, explain, plan_module
 from tvm_fusion.pipeline import pipeline
 from tvm_fusion.report import kernel_calls, kernel_count, op_counts
 
@@ -233,6 +233,26 @@ def test_consumer_with_two_fusable_producers_joins_one_chain():
     assert sum("larger benefit" in d.reason for d in report.decisions) == 1
     feeds = models.random_inputs(model)
     assert max_abs_err(run_relax(LOWER(ApplyFusionPolicy()(mod)), feeds), ort_run(model, feeds)) < 1e-6
+
+
+def test_a_var_to_var_binding_does_not_end_a_chain():
+    """``b = a`` between two ops (a user's own pass, or a pipeline without BN folding, which
+    canonicalizes, can leave one): the pass and ``explain`` see through it."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 64), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            alias = bb.emit(bb.emit(relax.op.nn.relu(x)))
+            out = bb.emit_output(relax.op.sigmoid(alias))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert any(isinstance(b.value, relax.Var) for b in mod["main"].body.blocks[0].bindings)
+    fused = ApplyFusionPolicy(target="llvm")(mod)
+    assert primitive_functions(fused) == ["fused_relu_sigmoid"]
+    assert "group fused_relu_sigmoid" in explain(mod, target="llvm")
+    data = np.random.default_rng(0).standard_normal((1, 64)).astype("float32")
+    ours = run_relax(LOWER(fused), {"x": data})
+    np.testing.assert_allclose(ours, 1 / (1 + np.exp(-np.maximum(data, 0))), rtol=1e-6, atol=1e-6)
 
 
 def _dense_layer_model():

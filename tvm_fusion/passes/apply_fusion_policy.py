@@ -300,6 +300,7 @@ def explain(mod: tvm.IRModule, policy: FusionPolicy | dict | None = None, target
     rejected, and of each attention block: fused by FuseAttention (or already one op), or why not."""
     from .fuse_attention import attention_decisions
 
+    mod = without_aliases(mod)
     reports = plan_module(mod, policy, target)
     attention = attention_decisions(mod, policy)
     lines = []
@@ -307,6 +308,13 @@ def explain(mod: tvm.IRModule, policy: FusionPolicy | dict | None = None, target
         lines.append(str(report))
         lines += [f"  {d}" for d in attention if d.function == report.function]
     return "\n".join(lines)
+
+
+def without_aliases(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with its ``y = x`` bindings resolved (``CanonicalizeBindings``): the planner extends
+    a group only by readers of its last op's var, so such a binding would end the chain at ``x``
+    (a user's own pass, or a pipeline without BN folding, which canonicalizes, can leave them)."""
+    return relax.transform.CanonicalizeBindings()(mod)
 
 
 def plan_module(mod: tvm.IRModule, policy=None, target=None) -> list[FusionReport]:
@@ -333,6 +341,7 @@ class ApplyFusionPolicy:
         self.target = target
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        mod = without_aliases(mod)
         reports = plan_module(mod, self.policy, self.target)
         builder = relax.BlockBuilder(mod)
         updates = {}
