@@ -236,8 +236,9 @@ def test_consumer_with_two_fusable_producers_joins_one_chain():
 
 
 def test_a_var_to_var_binding_does_not_end_a_chain():
-    """``b = a`` between two ops (a user's own pass, or a pipeline without BN folding, which
-    canonicalizes, can leave one): the pass and ``explain`` see through it."""
+    """``b = a`` between two ops (left by a user's own pass, or reaching the planner with
+    ``fold_batch_norm=False``, which skips the pipeline's only ``CanonicalizeBindings``): the
+    pass, ``plan_module`` and ``explain`` see through it."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((1, 64), "float32"))
     with bb.function("main", [x]):
@@ -249,6 +250,7 @@ def test_a_var_to_var_binding_does_not_end_a_chain():
     assert any(isinstance(b.value, relax.Var) for b in mod["main"].body.blocks[0].bindings)
     fused = ApplyFusionPolicy(target="llvm")(mod)
     assert primitive_functions(fused) == ["fused_relu_sigmoid"]
+    assert group_sizes(mod) == [2]
     assert "group fused_relu_sigmoid" in explain(mod, target="llvm")
     data = np.random.default_rng(0).standard_normal((1, 64)).astype("float32")
     ours = run_relax(LOWER(fused), {"x": data})

@@ -301,7 +301,7 @@ def explain(mod: tvm.IRModule, policy: FusionPolicy | dict | None = None, target
     from .fuse_attention import attention_decisions
 
     mod = without_aliases(mod)
-    reports = plan_module(mod, policy, target)
+    reports = _plan(mod, policy, target)
     attention = attention_decisions(mod, policy)
     lines = []
     for report in reports:
@@ -312,12 +312,19 @@ def explain(mod: tvm.IRModule, policy: FusionPolicy | dict | None = None, target
 
 def without_aliases(mod: tvm.IRModule) -> tvm.IRModule:
     """``mod`` with its ``y = x`` bindings resolved (``CanonicalizeBindings``): the planner extends
-    a group only by readers of its last op's var, so such a binding would end the chain at ``x``
-    (a user's own pass, or a pipeline without BN folding, which canonicalizes, can leave them)."""
+    a group only by readers of its last op's var, so such a binding would end the chain at ``x``.
+    The pipeline's only ``CanonicalizeBindings`` is in its BN-folding step: with
+    ``fold_batch_norm=False``, or after a user's own passes, such bindings can reach the planner."""
     return relax.transform.CanonicalizeBindings()(mod)
 
 
 def plan_module(mod: tvm.IRModule, policy=None, target=None) -> list[FusionReport]:
+    """The groups :class:`ApplyFusionPolicy` forms in each graph function of ``mod`` (``y = x``
+    bindings resolved first, as the pass does)."""
+    return _plan(without_aliases(mod), policy, target)
+
+
+def _plan(mod: tvm.IRModule, policy, target) -> list[FusionReport]:
     target = _target_or_current(target)
     policy = FusionPolicy.coerce(policy).for_target(target)
     planner = FusionPlanner(policy, policy.roofline or Roofline.for_target(target))
@@ -341,8 +348,8 @@ class ApplyFusionPolicy:
         self.target = target
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        mod = without_aliases(mod)
-        reports = plan_module(mod, self.policy, self.target)
+        mod = without_aliases(mod)  # the module the reports' vars belong to
+        reports = _plan(mod, self.policy, self.target)
         builder = relax.BlockBuilder(mod)
         updates = {}
         for (gvar, func), report in zip(list(_planned_functions(mod)), reports):

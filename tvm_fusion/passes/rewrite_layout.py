@@ -482,8 +482,8 @@ class _LayoutRewriter(relax.PyExprMutator):
 
     def _bind(self, expr, var):
         """``expr`` bound to a new dataflow var named after ``var``, or ``expr`` itself when it is a
-        var already (a permute the layout makes the identity): a ``var = x`` binding would end
-        the fusion chain at ``x``, since the planner extends a group only by readers of its last op."""
+        var already (a permute the layout makes the identity): no ``var = x`` binding, which the
+        planner (extending a group only by readers of its last op's var) would stop at."""
         return expr if isinstance(expr, relax.Var) else self.builder_.emit(expr, name_hint=var.name)
 
     def _convert(self, call: relax.Call):
@@ -942,8 +942,9 @@ class _TransformCleaner(relax.PyExprMutator):
         ):
             return super().visit_var_binding_(binding)
         new = self.visit_expr(value)
-        # a cancelled pair is its source: readers read that var (a `y = x` binding would end the
-        # fusion chain at x, since the planner extends a group only by readers of its last op)
+        # a cancelled pair is its source: readers read that var, with no `y = x` binding left
+        # (the planner extends a group only by readers of its last op's var; ApplyFusionPolicy
+        # resolves such bindings too, but the module this pass hands on is clean)
         self.set_var_remap(
             binding.var,
             new if isinstance(new, relax.Var) else self.builder_.emit(new, name_hint=binding.var.name),
