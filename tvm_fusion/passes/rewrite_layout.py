@@ -41,7 +41,7 @@ from tvm.ir import Op
 from tvm.sym import Analyzer
 from tvm.target import codegen
 
-from ..ir import binding_users, graph_functions, int_values, op_name, static_shape
+from ..ir import binding_users, graph_functions, int_values, op_name, static_shape, with_functions
 from ..legalize import register as register_legalizations
 from ..legalize.conv_args import out_dtype
 from ..targets import is_gpu, parse_target
@@ -933,24 +933,6 @@ class _TransformCleaner(relax.PyExprMutator):
             expr = bound
         return expr
 
-    def visit_var_binding_(self, binding):
-        value = binding.value
-        if not (
-            isinstance(binding.var, relax.DataflowVar)
-            and isinstance(value, relax.Call)
-            and value.op.same_as(_LT)
-        ):
-            return super().visit_var_binding_(binding)
-        new = self.visit_expr(value)
-        # a cancelled pair is its source: readers read that var, with no `y = x` binding left
-        # (the planner extends a group only by readers of its last op's var; ApplyFusionPolicy
-        # resolves such bindings too, but the module this pass hands on is clean)
-        self.set_var_remap(
-            binding.var,
-            new if isinstance(new, relax.Var) else self.builder_.emit(new, name_hint=binding.var.name),
-        )
-        return None
-
     def visit_call_(self, call):
         call = super().visit_call_(call)
         if not isinstance(call.op, Op) or not call.op.same_as(_LT):
@@ -971,18 +953,22 @@ class _TransformCleaner(relax.PyExprMutator):
 
 
 def _cleanup(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` (not changed in place) with identity pairs cancelled and transforms of constants
+    folded; a cancelled pair's var, left bound to its source (``y = x``), is resolved too, so its
+    readers read the source (the planner extends a group only by readers of its last op's var)."""
+    cleaned = False
     for _ in range(4):  # pairs can nest (A B B^-1 A^-1)
-        changed = 0
-        for gv, func in list(mod.functions.items()):
+        updates = {}
+        for gv, func in mod.functions.items():
             if isinstance(func, relax.Function):
                 cleaner = _TransformCleaner(mod)
                 new_func = cleaner.visit_expr(func)
                 if cleaner.changed:
-                    mod[gv] = relax.analysis.remove_all_unused(new_func)
-                    changed += cleaner.changed
-        if not changed:
+                    updates[gv] = relax.analysis.remove_all_unused(new_func)
+        if not updates:
             break
-    return mod
+        mod, cleaned = with_functions(mod, updates), True
+    return relax.transform.CanonicalizeBindings()(mod) if cleaned else mod
 
 
 # ------------------------------------------------------------------------------------------------
