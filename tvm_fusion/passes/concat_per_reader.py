@@ -121,8 +121,8 @@ class _Merger(relax.PyExprMutator):
             self.set_var_remap(binding.var, twin)
             self.rewrote = True
             return
-        super().visit_var_binding_(binding)
-        self.seen.append((value, self.visit_expr(binding.var)))  # the var it is bound to now
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+        self.seen.append((value, binding.var))
 
 
 @tvm.transform.module_pass(opt_level=0, name="MergeUnfusedConcats")
