@@ -88,6 +88,23 @@ def test_concats_do_not_count_toward_the_depth():
     ]
 
 
+def test_slices_do_not_count_toward_the_depth():
+    """A crop after a conv (PadConvChannels' filters padded to whole vectors, RegNet's blocks) writes
+    nothing once fused: the bias add, residual add and relu still join the conv at depth 4 (the
+    relu was a kernel of its own when the slice counted)."""
+    g = models.GraphBuilder("slice_chain")
+    x = g.input("input", (1, 8, 6, 6))
+    h = g.conv(x, 8, 16, k=1, bias=False)
+    crop = [g.const(n, np.array([v], np.int64)) for n, v in (("start", 0), ("end", 12), ("axis", 1))]
+    h = g.op("Slice", [h, *crop])
+    h = g.add(h, g.weight("bias", (1, 12, 1, 1)))
+    h = g.relu(g.add(h, g.input("residual", (1, 12, 6, 6))))
+    (report,) = plan_module(imported(g.finish([h])), None, "llvm")
+    assert [[n.op_name for n in grp.nodes] for grp in report.groups] == [
+        ["nn.conv2d", "strided_slice", "add", "add", "nn.relu"]
+    ]
+
+
 def test_depth_groups_run_correctly_and_become_one_kernel_each():
     model = activation_chain(6)
     feeds = models.random_inputs(model)

@@ -11,7 +11,7 @@ Ops are grouped into *classes* (``OP_CLASSES``); the ``vertical`` table says whi
 class may hand its output to which consumer classes inside one kernel. On top of the table:
 
 * ``max_fusion_depth`` caps the number of ops in one group (default 4); views (the ``view`` class:
-  reshape, squeeze, ...) and concats are free index remaps and do not count;
+  reshape, squeeze, ...), slices and concats are free index remaps and do not count;
 * the unique-consumer rule: a producer whose output has several consumers (or is a function
   output) is never fused with a consumer, because its output must be written to memory anyway
   (this is not configurable: it is what keeps every group convex and side-effect free);
@@ -85,8 +85,9 @@ OP_CLASSES: dict[str, list[str]] = {
 
 ELEMENTWISE = ["binary", "activation"]
 # classes that do not count toward max_fusion_depth: fused, they write nothing (their readers
-# read the data in place), so they take no room from the ops after them
-FREE_REMAPS = ("view", "concat")
+# read the data in place), so they take no room from the ops after them. A slice is most often
+# our own crop (``PadConvChannels``'s filters padded to whole vectors), not an op of the model.
+FREE_REMAPS = ("view", "slice", "concat")
 # index remaps of one tensor (or, for concat, of its pieces): free to chain with elementwise ops
 INDEX_REMAPS = ["view", "injective", "slice", "concat"]
 

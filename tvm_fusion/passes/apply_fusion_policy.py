@@ -62,8 +62,8 @@ class Group:
 
     @property
     def depth(self) -> int:
-        """Ops that count toward ``max_fusion_depth``: views (reshape, squeeze, ...) and concats
-        are free index remaps (fused into their readers, they write nothing: the readers read the
+        """Ops that count toward ``max_fusion_depth``: views (reshape, squeeze, ...), slices and
+        concats are free index remaps (fused into their readers, they write nothing: the readers read the
         data in place), so one in the chain leaves room for the op after it."""
         return sum(n.op_class not in FREE_REMAPS for n in self.nodes)
 
@@ -175,7 +175,7 @@ class FusionPlanner:
                 **edge,
                 accepted=False,
                 reason=f"group already has max_fusion_depth={policy.max_fusion_depth} ops "
-                "(views and concats not counted)",
+                "(views, slices and concats not counted)",
             )
         if producer.op_class == "concat" and consumer.op_class in CONCAT_READERS:
             if not (consumer.call.args[0].same_as(arg) and reads_pieces_in_place(consumer.call)):
