@@ -3,8 +3,9 @@
 Everything runs in one process on the same machine with the same thread count, each variant
 numerically checked against ONNX Runtime before it is timed. Results: a markdown table (median and
 p90 over ``runs`` timed runs after warm-up, ratio vs ONNX Runtime, kernel count, bytes moved at
-kernel boundaries), a PNG bar chart, a JSON dump, and the machine's roofline (copy bandwidth and
-GEMM FLOP/s measured with numpy) so each model's distance from the machine limit is visible.
+kernel boundaries), a PNG bar chart, a JSON dump, and the machine's roofline (copy bandwidth
+measured with numpy, the FMA peak with ``tvm_fusion.fma_peak``) so each model's distance from the
+machine limit is visible.
 """
 
 from __future__ import annotations
