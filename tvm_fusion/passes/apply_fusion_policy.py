@@ -63,8 +63,8 @@ class Group:
     @property
     def depth(self) -> int:
         """Ops that count toward ``max_fusion_depth``: views (reshape, squeeze, ...), slices and
-        concats are free index remaps (fused into their readers, they write nothing: the readers read the
-        data in place), so one in the chain leaves room for the op after it."""
+        concats are free index remaps (fused into their readers, they write nothing: the readers
+        read the data in place), so one in the chain leaves room for the op after it."""
         return sum(n.op_class not in FREE_REMAPS for n in self.nodes)
 
     @property
