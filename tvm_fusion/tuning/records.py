@@ -624,8 +624,8 @@ def load_records(
     skipped, unchecked = slower_than_default(rset, target) if only_faster else ({}, [])
     if skipped:
         messages.append(
-            f"{len(skipped)} of {len(rset.workloads)} tuned functions not faster than the default schedule: "
-            f"not applied ({'; '.join(skipped.values())})"
+            f"{len(skipped)} of {len(rset.workloads)} tuned functions not faster than the default schedule "
+            f"by more than {MIN_GAIN:.0%} (timing noise): not applied ({'; '.join(skipped.values())})"
         )
     if unchecked:
         messages.append(
