@@ -14,6 +14,8 @@ downloaded), ``model.eval()``, batch 1, 224x224 images, 128 tokens. Exports go t
 (``--cache``, default /work/zoo/onnx, never committed) as ``<model>.<exporter>.onnx``. Results are
 kept per model and exporter in ``<cache>/../results.json``, so a run can stop and resume, and
 ``--models``/``--exporters`` run a part of the zoo; ``report`` writes the table from all results.
+``--note "..."`` (``run`` or ``report``) adds a dated entry to the report's measurement history,
+which every rewrite of the report keeps.
 """
 
 from __future__ import annotations
@@ -472,7 +474,8 @@ def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
         f"process, interleaved, {threads or 'all'} threads each). TVM {tvm.__version__}, ONNX Runtime "
         f"{onnxruntime.__version__}. Dates per row are in the results file. GFLOP/s: the model's FLOPs "
         f"counted as direct convolutions and matmuls, over our latency (Winograd convs do fewer, so conv "
-        f"nets can read above the machine's FMA peak).{peak_text}{(' ' + note) if note else ''}",
+        f"nets can read above the machine's FMA peak).{peak_text} Which rows were measured again "
+        "when, and why: the measurement history at the end.",
         "",
         f"**Summary:** {n} of {expected} model/exporter pairs run; llvm build + numerics within "
         f"{REL_TOL:g} relative: **{llvm_ok}/{n}**; CUDA build + export: **{cuda_ok}/{n}**.",
@@ -526,9 +529,34 @@ def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
                 f"`{k}` {ms:.2f}" + (f" ×{c}" if c > 1 else "") for k, ms, c in r["top_kernels"][:3]
             )
             lines.append(f"- {r['model']} ({r['exporter']}): {top}")
+    history = previous_history(md)
+    if note:
+        history.insert(0, f"- {datetime.date.today().isoformat()}: {note}")
+    if history:
+        lines += ["", HISTORY_HEADING, "", *history]
     md.write_text("\n".join(lines) + "\n")
     md.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     _plot(rows, png)
+
+
+HISTORY_HEADING = "## Measurement history (newest first)"
+
+
+def previous_history(md: Path) -> list[str]:
+    """The history bullets of the report ``md`` already holds: each run's ``--note`` (which rows
+    were timed again, and why) stays when the report is rewritten, by ``run`` too."""
+    if not md.exists():
+        return []
+    lines = md.read_text().splitlines()
+    if HISTORY_HEADING not in lines:
+        return []
+    bullets = []
+    for line in lines[lines.index(HISTORY_HEADING) + 1 :]:
+        if line.startswith("## "):
+            break
+        if line.startswith("- "):
+            bullets.append(line)
+    return bullets
 
 
 def machine_peak(rows: list[dict], threads: int | None) -> tuple[float | None, str]:
@@ -718,7 +746,9 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--runs", type=int, default=15, help="timed runs of each side (default 15)")
         if name in ("run", "report"):
             s.add_argument("--out", type=Path, default=REPO / "docs" / "zoo.md")
-            s.add_argument("--note", default="", help="a sentence for the report's header (machine load ...)")
+            s.add_argument(
+                "--note", default="", help="what this run measured again and why: a new history entry"
+            )
         s.add_argument("-v", "--verbose", action="store_true")
     sub.choices["export"].add_argument("--force", action="store_true", help="re-export existing files")
     sub.choices["run"].add_argument("--resume", action="store_true", help="skip pairs already in the results")

@@ -8,6 +8,7 @@ with ONNX Runtime. The tests marked ``zoo`` run real exports (scripts/zoo.py) wh
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
 import sys
@@ -612,6 +613,21 @@ def test_zoo_report_shows_how_a_file_had_to_be_exported(tmp_path):
     md = tmp_path / "zoo.md"
     zoo.write_report({"t5_encoder.dynamo": row}, md, tmp_path / "zoo.png")
     assert "## Export notes\n\n- t5_encoder (dynamo): exported with eager attention" in md.read_text()
+
+
+def test_zoo_report_keeps_its_measurement_history(tmp_path):
+    """Each ``--note`` becomes a dated history entry, newest first, and a rewrite of the report
+    without one (``zoo.py run`` writes it too) keeps the entries: they used to be a sentence in the
+    header, which the next ``run`` dropped."""
+    zoo = _zoo_script()
+    rows = {"bert.dynamo": {"model": "bert", "exporter": "dynamo"}}
+    md = tmp_path / "zoo.md"
+    zoo.write_report(rows, md, tmp_path / "zoo.png", note="bert timed again")
+    zoo.write_report(rows, md, tmp_path / "zoo.png")
+    zoo.write_report(rows, md, tmp_path / "zoo.png", note="all rows timed again")
+    history = md.read_text().split(zoo.HISTORY_HEADING + "\n\n", 1)[1].splitlines()
+    today = datetime.date.today().isoformat()
+    assert history == [f"- {today}: all rows timed again", f"- {today}: bert timed again"]
 
 
 def test_zoo_report_shows_the_rate_each_model_ran_at(tmp_path):
