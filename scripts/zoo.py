@@ -529,17 +529,21 @@ def write_report(results: dict, md: Path, png: Path, note: str = "") -> None:
                 f"`{k}` {ms:.2f}" + (f" ×{c}" if c > 1 else "") for k, ms, c in r["top_kernels"][:3]
             )
             lines.append(f"- {r['model']} ({r['exporter']}): {top}")
-    history = previous_history(md)
-    if note:
-        history.insert(0, f"- {datetime.date.today().isoformat()}: {note}")
-    if history:
-        lines += ["", HISTORY_HEADING, "", *history]
-    md.write_text("\n".join(lines) + "\n")
+    md.write_text("\n".join(lines + history_section(md, note)) + "\n")
     md.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     _plot(rows, png)
 
 
 HISTORY_HEADING = "## Measurement history (newest first)"
+
+
+def history_section(md: Path, note: str) -> list[str]:
+    """A report's measurement history: ``note`` as a new dated entry above the entries ``md``
+    already holds; [] when there are none."""
+    history = previous_history(md)
+    if note:
+        history.insert(0, f"- {datetime.date.today().isoformat()}: {note}")
+    return ["", HISTORY_HEADING, "", *history] if history else []
 
 
 def previous_history(md: Path) -> list[str]:

@@ -677,6 +677,10 @@ def test_more_models_report_counts_only_rows_that_built_and_matched(tmp_path):
     assert "1 more built but not checked: ONNX Runtime rejects the export" in text
     assert "| c | torchscript | failed: `killed (out of memory?): ` |" in text
     assert "| d | dynamo | 5 → 2 | 1.0 | no reference: ONNX Runtime rejects the export: `Fail:" in text
+    # a run's note is a dated history entry, kept when the report is written again without one
+    more.write_report(rows, md, note="llama timed again")
+    more.write_report(rows, md)
+    assert md.read_text().endswith(f"- {datetime.date.today().isoformat()}: llama timed again\n")
     # the results file: a re-run row replaces its earlier one, the others stay, in the table's order
     results = tmp_path / "more.json"
     llama, swin = {**ok, "model": "llama"}, {**ok, "model": "swin_t"}
