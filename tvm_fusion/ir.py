@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import tvm
 from tvm import relax
 from tvm.ir import Op
@@ -217,6 +218,37 @@ def count_uses(func: relax.Function) -> dict[relax.Var, int]:
         for var in relax.analysis.free_vars(expr):
             uses[var] = uses.get(var, 0) + 1
     return uses
+
+
+def constant_value(expr, var2val: dict) -> np.ndarray | None:
+    """The value of a constant (or of a var bound to one), also through a reshape (the frontend
+    reshapes some constants, e.g. InstanceNormalization's scale to ``[-1, 1]``, and FoldConstant
+    may not have run yet); None for anything else."""
+    expr = var2val.get(expr, expr) if isinstance(expr, relax.Var) else expr
+    if op_name(expr) == "relax.reshape" and isinstance(expr.args[0], tvm.ir.expr.Constant):
+        shape = static_shape(expr)
+        return None if shape is None else expr.args[0].value.numpy().reshape(shape)
+    return expr.value.numpy() if isinstance(expr, tvm.ir.expr.Constant) else None
+
+
+class BindingChain:
+    """Walks single-use chains of bindings forward from a var (the exporter spellings that
+    recognizer passes turn back into one op)."""
+
+    def __init__(self, func: relax.Function):
+        self.var2val = relax.analysis.get_var2val(func)
+        self.uses = count_uses(func)
+        self.users = binding_users(func)
+
+    def call(self, var, name):
+        """The ``relax.<name>`` call bound to ``var``, else None."""
+        value = self.var2val.get(var) if isinstance(var, relax.Var) else None
+        return value if op_name(value) == f"relax.{name}" else None
+
+    def only_user(self, var):
+        """The one binding that reads ``var`` (None if several or none, or the function result)."""
+        users = self.users.get(var, [])
+        return users[0] if self.uses.get(var, 0) == 1 and len(users) == 1 else None
 
 
 def is_pointwise_conv(conv) -> bool:

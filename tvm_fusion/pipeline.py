@@ -14,6 +14,8 @@ Order, and why:
    as an epilogue, five ops with a diamond do not. ``RecognizeGroupNorm``: torch's GroupNorm /
    InstanceNorm exports (reshape, mean, variance, reshape back, affine) become one ``group_norm``,
    which a layout region can cross (``DecomposeGroupNorm`` expands it again after step 4).
+   ``RecognizeRMSNorm``: T5's and the Llama family's RMSNorm (square, mean, add, sqrt, divide,
+   scale) becomes one ``rms_norm``, which fuses in front of its projection like a layer norm.
    ``SimplifyPoolCeilMode``: a ``ceil_mode`` pool whose windows rounding up does not change
    loses the flag (and TOPI's padded copy of its input). ``PoolBeforePointwiseConv``: an average
    pool after a 1x1 conv (DenseNet's transitions) pools the conv's input instead, so the conv
@@ -83,6 +85,7 @@ from .passes import (
     PadConvChannels,
     PoolBeforePointwiseConv,
     RecognizeGroupNorm,
+    RecognizeRMSNorm,
     RemoveInferenceDropout,
     RewriteLayout,
     SimplifyPoolCeilMode,
@@ -169,6 +172,7 @@ def pipeline_stages(
     rewrite += [
         CanonicalizeActivations(),
         RecognizeGroupNorm(),
+        RecognizeRMSNorm(),
         SimplifyPoolCeilMode(),
         PoolBeforePointwiseConv(),
         TrimPaddingTaps(),

@@ -13,6 +13,7 @@ from .mark_single_buffer_noalias import MarkSingleBufferNoAlias
 from .pad_conv_channels import PadConvChannels
 from .pool_before_pointwise_conv import PoolBeforePointwiseConv
 from .recognize_group_norm import RecognizeGroupNorm
+from .recognize_rms_norm import RecognizeRMSNorm
 from .remove_inference_dropout import RemoveInferenceDropout
 from .resize_as_matmul import LinearResizeAsMatmul
 from .rewrite_layout import RewriteLayout, count_layout_transforms
@@ -41,6 +42,7 @@ __all__ = [
     "PadConvChannels",
     "PoolBeforePointwiseConv",
     "RecognizeGroupNorm",
+    "RecognizeRMSNorm",
     "RemoveInferenceDropout",
     "RewriteLayout",
     "SimplifyPoolCeilMode",

@@ -26,8 +26,8 @@ import tvm
 from tvm import relax
 
 from ..ir import (
-    binding_users,
-    count_uses,
+    BindingChain,
+    constant_value,
     graph_functions,
     op_name,
     static_shape,
@@ -40,32 +40,8 @@ __all__ = ["RecognizeGroupNorm"]
 MAX_AFFINE_OPS = 4  # per run of constant * / + (an instance norm's scale and bias, then a GroupNorm's)
 
 
-def _const(expr, var2val) -> np.ndarray | None:
-    """A constant's value, also through a reshape (the frontend reshapes InstanceNormalization's
-    scale and bias to ``[-1, 1]``; FoldConstant folds that, but the pass may run before it)."""
-    expr = var2val.get(expr, expr) if isinstance(expr, relax.Var) else expr
-    if op_name(expr) == "relax.reshape" and isinstance(expr.args[0], tvm.ir.expr.Constant):
-        shape = static_shape(expr)
-        return None if shape is None else expr.args[0].value.numpy().reshape(shape)
-    return expr.value.numpy() if isinstance(expr, tvm.ir.expr.Constant) else None
-
-
-class _Chain:
-    """Walks a single-use chain of bindings forward from a var."""
-
-    def __init__(self, func: relax.Function):
-        self.var2val = relax.analysis.get_var2val(func)
-        self.uses = count_uses(func)
-        self.users = binding_users(func)
-
-    def call(self, var, name):
-        value = self.var2val.get(var) if isinstance(var, relax.Var) else None
-        return value if op_name(value) == f"relax.{name}" else None
-
-    def only_user(self, var):
-        """The one binding that reads ``var`` (None if several or none, or the function result)."""
-        users = self.users.get(var, [])
-        return users[0] if self.uses.get(var, 0) == 1 and len(users) == 1 else None
+class _Chain(BindingChain):
+    """A binding chain that also composes runs of constant ``*`` / ``+`` (the norm's affine)."""
 
     def affine(self, var, per_channel, gamma, beta):
         """Follow a run of ``* c`` / ``+ c`` from ``var`` (constants ``per_channel`` turns into one
@@ -77,7 +53,7 @@ class _Chain:
             if nxt is None or call is None:
                 break
             other = call.args[1] if call.args[0].same_as(var) else call.args[0]
-            value = _const(other, self.var2val)
+            value = constant_value(other, self.var2val)
             per = per_channel(value) if value is not None else None
             if per is None:
                 break
@@ -100,7 +76,7 @@ def _normalized(chain: _Chain, div_var):
     mean = chain.call(sub.args[1], "mean")
     add = chain.call(sqrt.args[0], "add")
     var = chain.call(add.args[0], "variance") if add is not None else None
-    eps = _const(add.args[1], chain.var2val) if add is not None else None
+    eps = constant_value(add.args[1], chain.var2val) if add is not None else None
     if mean is None or var is None or eps is None or eps.size != 1:
         return None
     if not (mean.args[0].same_as(r) and var.args[0].same_as(r)):
