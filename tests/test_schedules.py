@@ -30,7 +30,7 @@ from tvm_fusion.schedules import (
     default_rules,
 )
 from tvm_fusion.schedules._util import PARALLEL_MIN_ELEMENTS, collect_loops, loop_kinds, safe_rule, uses_var
-from tvm_fusion.schedules.contraction import MAX_IMBALANCE, _imbalance
+from tvm_fusion.schedules.contraction_plan import MAX_IMBALANCE, imbalance
 from tvm_fusion.schedules.fallback import get_sblock_realize
 
 ZNVER3 = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
@@ -46,9 +46,9 @@ def parallel_even_tiny_kernels(monkeypatch, request):
     ``test_tiny_contraction_stays_single_threaded`` opts out to test the threshold itself.
     """
     if "keep_parallel_threshold" not in request.keywords:
-        from tvm_fusion.schedules import contraction
+        from tvm_fusion.schedules import contraction_plan
 
-        monkeypatch.setattr(contraction, "PARALLEL_MIN_MACS", 0)
+        monkeypatch.setattr(contraction_plan, "PARALLEL_MIN_MACS", 0)
 
 
 def _rand(*shape, scale=1.0):
@@ -1108,7 +1108,7 @@ def test_fast_gelu_legalization_is_vectorizable_and_switchable():
 @pytest.mark.keep_parallel_threshold
 def test_tiny_contraction_stays_single_threaded():
     """Below PARALLEL_MIN_MACS waking the thread pool costs more than the work: no parallel loop."""
-    from tvm_fusion.schedules.contraction import PARALLEL_MIN_MACS
+    from tvm_fusion.schedules.contraction_plan import PARALLEL_MIN_MACS
 
     assert 1 * 32 * 10 < PARALLEL_MIN_MACS
     w = _rand(32, 10)
@@ -1505,7 +1505,7 @@ def test_blocked_pointwise_conv_splits_evenly_over_the_cores():
     sch = Contraction().apply(_pointwise_conv_func(960, 160, 7), ZNVER4, False)
     loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("conv2d_nchw_update"))]
     (tasks,) = [int(lp.extent) for lp in loops if lp.kind == tirx.ForKind.PARALLEL]
-    assert _imbalance(tasks, 2) <= MAX_IMBALANCE, sch.mod["main"]
+    assert imbalance(tasks, 2) <= MAX_IMBALANCE, sch.mod["main"]
 
 
 def test_injective_stage_with_a_symbolic_batch_is_parallel_and_vectorized():

@@ -83,7 +83,7 @@ class BuildResult:
             f"model {self.model.name} (hash {self.model.model_hash}) for {self.target.kind.name} "
             f"[{json.dumps(target_json(self.target), separators=(',', ':'))}]",
             "  " + self.summary.format(),
-            f"  schedules: {self.tuned_kernels} kernel functions tuned, {self.default_kernels} default (dlight)",
+            f"  schedules: {self.tuned_kernels} kernel functions tuned, {self.default_kernels} default",
         ]
         if self.records_note:
             lines.append("  tuning records: " + self.records_note)

@@ -749,8 +749,3 @@ class FuseAttention:
         new_mod = new_mod.with_attr(ATTR_KEY, previous + len(plans))
         new_mod = relax.transform.CanonicalizeBindings()(relax.transform.Normalize()(new_mod))
         return relax.transform.DeadCodeElimination()(new_mod)
-
-
-def count_fused_attention(mod: tvm.IRModule) -> int:
-    """Attention blocks that are one op or one fused function in ``mod``."""
-    return sum(d.fused for d in attention_decisions(mod))

@@ -66,9 +66,11 @@ def int_extent(sch: s_tir.Schedule, loop) -> int | None:
     return int(ext) if isinstance(ext, tirx.IntImm) else None
 
 
-def block_reads_writes(sch: s_tir.Schedule, block) -> tuple[list, list]:
-    stmt = sch.get(block)
-    return list(stmt.reads), list(stmt.writes)
+def layout_free_params(func: tirx.PrimFunc) -> set:
+    """The params of ``func`` marked layout-free (constant weights a schedule may repack); in this
+    TVM a PrimFunc param *is* its buffer."""
+    idx = func.attrs.get("layout_free_buffers") if func.attrs is not None else None
+    return {func.params[int(i)] for i in idx} if idx else set()
 
 
 def access_class(region, var) -> str:
@@ -282,7 +284,7 @@ def schedule_injective_block(sch: s_tir.Schedule, block, target: Target, paralle
     extents = [int_extent(sch, lp) for lp in loops]
     symbolic_outer = extents[0] is None
     if None in extents[1:] or (symbolic_outer and len(loops) == 1):
-        _try(sch.parallel, loops[0]) if parallel else None
+        try_primitive(sch.parallel, loops[0]) if parallel else None
         return
     # drop the unit loops, they only get in the way of fuse/split decisions
     inner = loops[-1]
@@ -316,21 +318,19 @@ def schedule_injective_block(sch: s_tir.Schedule, block, target: Target, paralle
             k += 1
         fused = sch.fuse(*outer_loops[:k]) if k > 1 else outer_loops[0]
         if prod > 1 or symbolic_outer:
-            _try(sch.parallel, fused)
+            try_primitive(sch.parallel, fused)
     if vec is not None:
-        _try(sch.vectorize, vec)
+        try_primitive(sch.vectorize, vec)
 
 
-def _try(fn, *args) -> bool:
+def try_primitive(fn, *args) -> bool:
+    """Apply a schedule primitive; False (and the schedule unchanged) if it refuses."""
     try:
         fn(*args)
         return True
     except Exception as err:  # schedule primitives validate and raise before mutating
         logger.debug("schedule primitive %s failed: %s", getattr(fn, "__name__", fn), err)
         return False
-
-
-try_primitive = _try
 
 
 def safe_rule(apply):

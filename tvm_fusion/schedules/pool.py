@@ -21,6 +21,7 @@ from tvm.target import Target
 
 from ._util import (
     CpuRule,
+    layout_free_params,
     reverse_compute_within,
     safe_rule,
     schedule_injective_block,
@@ -106,9 +107,7 @@ def _is_window(sch, info, func) -> bool:
     stmt = sch.get(info.block_rv)
     out = stmt.writes[0].source
     reads = [r for r in stmt.reads if not r.source.same_as(out)]
-    marks = func.attrs.get("layout_free_buffers") if func.attrs is not None else None
-    weights = {func.params[int(i)] for i in marks} if marks else set()
-    if len({r.source for r in reads}) != 1 or reads[0].source in weights:
+    if len({r.source for r in reads}) != 1 or reads[0].source in layout_free_params(func):
         return False
     # a window slides: some input index mixes an output position with a window offset (oh*2 + kh);
     # a plain axis reduction (sum over the last dim) does not

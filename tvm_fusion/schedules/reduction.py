@@ -31,7 +31,7 @@ from ._util import (
     try_primitive,
     vector_lanes,
 )
-from .contraction import _reads_varying_with_reduction, _schedule_row_prologue, _vectorize_row_inner
+from .row_stage import reads_varying_with_reduction, schedule_row_prologue, vectorize_row_inner
 
 MAX_PARTIAL_SUMS = 16  # lanes of a ragged plane's float32 sum: two AVX2 vectors, one AVX-512
 
@@ -39,7 +39,7 @@ MAX_PARTIAL_SUMS = 16  # lanes of a ragged plane's float32 sum: two AVX2 vectors
 class RowReduction(ScheduleRule):
     """Row normalisations with several reductions per row (layer_norm, softmax): every block of a
     row computed under one parallel row loop (the row stays in L1), the sums vectorized by an
-    rfactor over SIMD lanes (``contraction._schedule_row_prologue``, the schedule of a norm fused in
+    rfactor over SIMD lanes (``row_stage.schedule_row_prologue``, the schedule of a norm fused in
     front of a GEMM).
 
     dlight's CPU Reduction (the fallback here) sums each row as one scalar chain, an add latency
@@ -71,7 +71,7 @@ def _vectorized_rows(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | No
     if len(sinks) != 1 or not _rows_line_up([sch.get(b) for b in blocks]):
         return None
     try:
-        scheduled = _schedule_row_prologue(sch, sinks[0], target)
+        scheduled = schedule_row_prologue(sch, sinks[0], target)
     except Exception as err:  # pylint: disable=broad-except
         logger.debug("row schedule of %s failed: %s", sch.get(sinks[0]).name_hint, err)
         return None
@@ -124,7 +124,7 @@ class PlainReduction(CpuRule):
         n_s = len(kinds) - len(kinds.lstrip("S"))
         if not n_s or set(kinds[n_s:]) != {"R"} or any(not isinstance(d, int) for d in info.dom()):
             return None
-        varying = _reads_varying_with_reduction(stmt)
+        varying = reads_varying_with_reduction(stmt)
         if len(varying) != 1:
             return None  # a contraction of two operands (or nothing): not ours
         (src,) = [r for r in stmt.reads if r.source.same_as(varying[0])]
@@ -147,7 +147,7 @@ class PlainReduction(CpuRule):
             _, ki = sch.split(inner, factors=[None, width])
             rf = sch.rfactor(ki, factor_axis=len(stmt.writes[0].region))
             sch.compute_at(rf, rows, preserve_unit_loops=True)
-            _vectorize_row_inner(sch, rf, width)
+            vectorize_row_inner(sch, rf, width)
         # the epilogue, transitively (a cast back from float64, then GroupNorm's x - mean over the
         # whole group): each block per row, its loops fused and vectorized; left at the root, the
         # subtract was one serial scalar loop over the tensor (BiT: 0.6 ms a group norm)
@@ -197,7 +197,7 @@ def _inline_producers(sch, block, r_vars) -> None:
 
     probe = sch.copy()
     inline_all(probe)
-    varying = _reads_varying_with_reduction(probe.get(block))
+    varying = reads_varying_with_reduction(probe.get(block))
     reads = [r for r in probe.get(block).reads if any(r.source.same_as(v) for v in varying)]
     if reads and all(last_dim_stride(r, r_vars[-1]) == 1 for r in reads):
         inline_all(sch)

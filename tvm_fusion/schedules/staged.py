@@ -113,12 +113,6 @@ def inline_chain(sch, chain: list) -> list:
     return kept
 
 
-def layout_free_params(func) -> set:
-    """The params of ``func`` marked layout-free (constant weights a schedule may repack)."""
-    idx = func.attrs.get("layout_free_buffers") if func.attrs is not None else None
-    return {func.params[int(i)] for i in idx} if idx else set()
-
-
 def read_index(sch, block, buf) -> int:
     """The position of ``buf`` among ``block``'s reads."""
     for i, region in enumerate(sch.get(block).reads):

@@ -29,6 +29,7 @@ from ._util import (
     LAYOUT_REWRITE_PREPROC,
     elementwise_epilogue,
     int_extent,
+    layout_free_params,
     logger,
     reverse_compute_within,
     safe_rule,
@@ -36,15 +37,14 @@ from ._util import (
     try_primitive,
     vector_lanes,
 )
-from .contraction import _schedule_row_prologue, schedule_leftover_stage
 from .fallback import schedule_nest
 from .knobs import Knobs
+from .row_stage import schedule_leftover_stage, schedule_row_prologue
 from .staged import (
     StagedKernelRule,
     drop_unit_dims,
     inline_chain,
     iterate_as_output,
-    layout_free_params,
     read_index,
     static_domain,
 )
@@ -157,7 +157,7 @@ class Strassen(StagedKernelRule):
         # ---- a prologue fused in front (layer_norm -> matmul): parallel rows, as Contraction's ----
         handled = set()
         for prod in sch.get_producers(stages["input"]):
-            handled |= _schedule_row_prologue(sch, prod, target)
+            handled |= schedule_row_prologue(sch, prod, target)
         for name in prologue:
             if name not in handled:
                 schedule_leftover_stage(sch, sch.get_sblock(name), target)

@@ -40,6 +40,7 @@ from ._util import (
     LAYOUT_REWRITE_PREPROC,
     divisors_upto,
     int_extent,
+    layout_free_params,
     logger,
     num_cores,
     num_vector_registers,
@@ -48,13 +49,12 @@ from ._util import (
     try_primitive,
     vector_lanes,
 )
-from .contraction import TILE_OVERHEAD_CYCLES
+from .contraction_plan import FMA_IN_FLIGHT, TILE_OVERHEAD_CYCLES
 from .knobs import Knobs
-from .staged import StagedKernelRule, inline_epilogue, layout_free_params, read_index
+from .staged import StagedKernelRule, inline_epilogue, read_index
 
 MAX_ROWS = 8
 MAX_PLAN_CHOICES = 12
-FMA_IN_FLIGHT = 8  # FMA latency x pipes: fewer accumulators leave the pipes idle
 TASK_TILE_BYTES = 96 << 10  # a task's α² accumulator tiles (written once, read by the output)
 MIN_TASKS_PER_CORE = 4
 MIN_PADDED_GAIN = 0.9  # GEMM tile columns padded only for a 10 % cheaper micro-kernel (gemm_tile_columns)

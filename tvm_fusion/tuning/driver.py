@@ -221,8 +221,8 @@ def tune(
     ``<target-key>.old-<date>`` (reported, never mixed in). A second run into the same folder while
     this one holds it stops at once with a message (:class:`records.RecordLock`).
 
-    Search, per task (:class:`search.TaskSearch`): first (CPU) the Contraction rule's runner-up
-    plans, then Meta-Schedule's evolutionary search with the XGBoost cost model for the rest,
+    Search, per task (:class:`search.TaskSearch`): first the points of the scheduling rule's own
+    space nearest its default (its runner-up plans), then Meta-Schedule's evolutionary search with the XGBoost cost model for the rest,
     ``num_trials_per_iter`` candidates measured per batch; ``population_size`` defaults to 16 x that
     (64..512; Meta-Schedule's default is 512). Candidates are built here by ``builders`` worker
     processes (default: one per core) and measured here, or with ``rpc="host:port:key"`` on every

@@ -4,7 +4,9 @@ among, so every candidate is a strong schedule and the space contains the defaul
 Meta-Schedule's stock space (generic multi-level tiling) measured 1.3-7x slower than our rules at
 the trial counts a user can afford, so searching it mostly wastes trials. Here a task whose kernel
 a rule with knobs schedules is tuned over that rule's decisions (:mod:`..schedules.knobs`; on CPU
-``Contraction``: micro-kernel plan, reduction cache blocking, accumulator placement; on GPU
+``Contraction``: micro-kernel plan, reduction cache blocking, inputs computed per task,
+accumulator placement; ``Winograd``: GEMM plan, tile blocks, loop order; ``Strassen``: plan;
+``Depthwise``: rows, lanes, channels per task, where the padding is copied; on GPU
 ``TunableMatmul``: dlight's matmul config). The rule runs again from
 scratch for each point, with the decisions forced and recorded in the trace as
 ``sample_categorical`` instructions, so a decision may change everything after it (the packed
@@ -74,8 +76,8 @@ class RuleSpace:
 
 def rule_space(func: tvm.tirx.PrimFunc, target) -> RuleSpace | None:
     """The tunable space of the rule that schedules ``func`` by default (a rule with knobs:
-    ``Contraction`` and ``Winograd`` on CPU, ``TunableMatmul`` on GPU), or None when that rule has
-    no decision to make."""
+    ``Contraction``, ``Winograd``, ``Strassen`` and ``Depthwise`` on CPU, ``TunableMatmul`` on GPU),
+    or None when that rule has no decision to make."""
     for rule in default_rules(target):
         rule = getattr(rule, "rule", rule)  # the rule inside a Declining wrapper (GPU list)
         try:
