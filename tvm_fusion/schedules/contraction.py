@@ -97,10 +97,8 @@ MAX_EPILOGUE_UNROLL = 64  # copies of an epilogue body per tile (64 = 4 vectors 
 SHORT_TILE_FMAS = 1024  # below: accumulate in the global intermediate (see apply)
 RAGGED_GLOBAL_ACC = True  # a ragged row tile accumulates in the intermediate (see apply)
 MAX_PIECE_COPIES = 32  # unrolled copies of a reduction loop over a fused concat's pieces
-CACHE_BLOCKING = True
-BLOCKED_TASK_BALANCE = (
-    True  # plans ranked by their blocked tasks' balance (contraction_plan.charge_blocked_imbalance)
-)
+CACHE_BLOCKING = True  # the reduction cache-blocked where the plan module says so (cache_block_plan)
+BLOCKED_TASK_BALANCE = True  # plans re-ranked by their blocked tasks' balance (charge_blocked_imbalance)
 # A conv's padded input computed inside each parallel task, for the rows that task reads, instead
 # of as a parallel stage of its own: one fork-join less (~1.5 us here) and the rows stay in L1
 # (the ResNet-style example's 16-channel 32x32 3x3 conv: 28 -> 24.5 us). The tasks then run every
