@@ -251,6 +251,33 @@ class BindingChain:
         return users[0] if self.uses.get(var, 0) == 1 and len(users) == 1 else None
 
 
+def replace_matches(mod: tvm.IRModule, anchor_op: str, match, chain_type=BindingChain) -> tvm.IRModule:
+    """The recognizer passes' rewrite: in each graph function, for every binding of an
+    ``anchor_op`` call, ``match(chain, var)`` returns None or ``(y, call)``, and the binding of
+    ``y`` becomes ``call`` where ``call``'s first argument is visible there (bound in y's block, or
+    not a DataflowVar); the bindings only the old spelling read are then removed."""
+    updates = {}
+    for gvar, func in graph_functions(mod):
+        if not isinstance(func.body, relax.SeqExpr):
+            continue
+        chain = chain_type(func)
+        replace = {}
+        for block in func.body.blocks:
+            local = {b.var for b in block.bindings}
+            for b in block.bindings:
+                if op_name(b.value) == anchor_op and (hit := match(chain, b.var)) is not None:
+                    y, call = hit
+                    x = call.args[0]
+                    if y in local and (x in local or not isinstance(x, relax.DataflowVar)):
+                        replace[y] = call
+        if replace:
+            updates[gvar] = with_bindings(func, replace)
+    if not updates:
+        return mod
+    mod = with_functions(mod, updates)
+    return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(mod))
+
+
 def is_pointwise_conv(conv) -> bool:
     """A plain float 1x1 conv2d in NCHW / OIHW: every output pixel from its own input pixel, in the
     dtype it reads (an int8 conv accumulating in int32 cannot average its input first)."""

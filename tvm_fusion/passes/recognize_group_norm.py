@@ -25,15 +25,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import (
-    BindingChain,
-    constant_value,
-    graph_functions,
-    op_name,
-    static_shape,
-    with_bindings,
-    with_functions,
-)
+from ..ir import BindingChain, constant_value, op_name, replace_matches, static_shape
 
 __all__ = ["RecognizeGroupNorm"]
 
@@ -157,24 +149,4 @@ class RecognizeGroupNorm:
     """Rewrite the ONNX spelling of GroupNorm (and InstanceNorm) to ``R.nn.group_norm``."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {}
-        for gvar, func in graph_functions(mod):
-            if not isinstance(func.body, relax.SeqExpr):
-                continue
-            chain = _Chain(func)
-            replace = {}
-            for block in func.body.blocks:
-                local = {b.var for b in block.bindings}
-                for b in block.bindings:
-                    if op_name(b.value) == "relax.divide" and (hit := _match(chain, b.var)) is not None:
-                        y, call = hit
-                        x = call.args[0]
-                        # the norm is bound at y: x must be visible there (same block, or not a DataflowVar)
-                        if y in local and (x in local or not isinstance(x, relax.DataflowVar)):
-                            replace[y] = call
-            if replace:
-                updates[gvar] = with_bindings(func, replace)
-        if not updates:
-            return mod
-        mod = with_functions(mod, updates)
-        return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(mod))
+        return replace_matches(mod, "relax.divide", _match, _Chain)

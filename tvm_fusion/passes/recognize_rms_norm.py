@@ -23,15 +23,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import (
-    BindingChain,
-    constant_value,
-    graph_functions,
-    op_name,
-    static_shape,
-    with_bindings,
-    with_functions,
-)
+from ..ir import BindingChain, constant_value, replace_matches, static_shape
 
 __all__ = ["RecognizeRMSNorm"]
 
@@ -111,24 +103,4 @@ class RecognizeRMSNorm:
     """Rewrite the ONNX spelling of RMSNorm (T5, Llama, Qwen, Mistral, Gemma) to ``R.nn.rms_norm``."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {}
-        for gvar, func in graph_functions(mod):
-            if not isinstance(func.body, relax.SeqExpr):
-                continue
-            chain = BindingChain(func)
-            replace = {}
-            for block in func.body.blocks:
-                local = {b.var for b in block.bindings}
-                for b in block.bindings:
-                    if op_name(b.value) == "relax.mean" and (hit := _match(chain, b.var)) is not None:
-                        y, call = hit
-                        x = call.args[0]
-                        # the norm is bound at y: x must be visible there (same block, or not a DataflowVar)
-                        if y in local and (x in local or not isinstance(x, relax.DataflowVar)):
-                            replace[y] = call
-            if replace:
-                updates[gvar] = with_bindings(func, replace)
-        if not updates:
-            return mod
-        mod = with_functions(mod, updates)
-        return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(mod))
+        return replace_matches(mod, "relax.mean", _match)
