@@ -232,17 +232,7 @@ class Contraction(CpuRule):
         inner = ([row_i] if row_i is not None else []) + ([v_m] if v_m is not None else []) + [v_i]
         blocking = None
         if CACHE_BLOCKING and not small:
-            options = []
-            for budget in (PANEL_BYTES, 0, PANEL_BYTES // 2, PANEL_BYTES * 2):
-                option = (
-                    cache_block_plan(
-                        main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target, budget
-                    )
-                    if budget
-                    else None
-                )
-                if option not in options:
-                    options.append(option)
+            options = _blocking_options(main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target)
             blocking = options[knobs.choose(sch, "block", len(options))]
             if blocking is not None and piece_step is not None and piece_step % blocking[1]:
                 # chunks must not straddle the pieces: the largest divisor of their step below it
@@ -294,23 +284,10 @@ class Contraction(CpuRule):
             epilogue = consumers[0]
             if not reverse_compute_within(sch, epilogue, main, fused):
                 epilogue = None
-        # This TVM allocates every "local" buffer through TVMBackendAllocWorkspace (no stack
-        # alloca), once per tile. For long reductions that is noise and the "local" tile is the
-        # best register tile (LLVM promotes it); for short ones (depthwise 3x3, 1x1 convs with few
-        # input channels) the allocation costs more than the tile's FMAs, so the accumulator
-        # stays in the (compacted) global intermediate and LLVM keeps it in registers via LICM.
-        r_total = math.prod(it.dom for it in main_info.iters if it.kind == "R")
-        tile_fmas = rt * math.ceil(vt / lanes) * r_total
         if blocking is not None:
             acc_scope = "global"  # the whole task's accumulators, persisting across chunks
         else:
-            # a ragged last tile puts its bounds check on every accumulator update, and LLVM then
-            # keeps a "local" tile in memory (squeezenet's 128->16 1x1 conv over 55x55 in tiles
-            # of 8: 2.2x slower than accumulating in the intermediate)
-            ragged = RAGGED_GLOBAL_ACC and row_it is not None and row_it.dom % rt != 0
-            short = tile_fmas < SHORT_TILE_FMAS or ragged
-            scopes = ["global", "local"] if short else ["local", "global"]
-            acc_scope = scopes[knobs.choose(sch, "acc", 2)]
+            acc_scope = _accumulator_scopes(main_info, row_it, rt, vt, lanes)[knobs.choose(sch, "acc", 2)]
         if epilogue is not None:
             if acc_scope == "local":
                 sch.set_scope(main, 0, "local")
@@ -352,21 +329,7 @@ class Contraction(CpuRule):
             for name in producers:
                 _compute_in_task(sch, sch.get_sblock(name), task_loop)
                 handled.add(name)
-        # ---- reduction prologue (layer_norm / softmax rows feeding the GEMM) -----------------
-        if len(reductions) > 1:
-            for prod in sch.get_producers(main):
-                if sch.get(prod).annotations.get(LAYOUT_REWRITE_PREPROC) is not None:
-                    continue
-                handled |= schedule_row_prologue(sch, prod, target)
-
-        # ---- remaining root stages (pad, transposes, unfusable leftovers) ---------------------
-        root = sch.get_sblock("root") if _has_root(sch) else None
-        blocks = sch.get_child_blocks(root) if root is not None else []
-        for blk in blocks:
-            name = sch.get(blk).name_hint
-            if name in handled or sch.get(blk).annotations.get(LAYOUT_REWRITE_PREPROC) is not None:
-                continue
-            schedule_leftover_stage(sch, blk, target)
+        _schedule_root_stages(sch, main, len(reductions) > 1, handled, target)
         return sch
 
     # ------------------------------------------------------------------------------------------
@@ -510,6 +473,58 @@ class Contraction(CpuRule):
             if copies > MAX_EPILOGUE_UNROLL:
                 break
             try_primitive(sch.unroll, lp)
+
+
+def _blocking_options(main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target) -> list:
+    """The ``block`` knob's choices: the model's cache blocking of the reduction at the default
+    panel budget (first: the untuned choice), none, then at half and twice the budget; each
+    distinct choice once."""
+    options = []
+    for budget in (PANEL_BYTES, 0, PANEL_BYTES // 2, PANEL_BYTES * 2):
+        option = (
+            cache_block_plan(main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target, budget)
+            if budget
+            else None
+        )
+        if option not in options:
+            options.append(option)
+    return options
+
+
+def _accumulator_scopes(main_info, row_it, rt: int, vt: int, lanes: int) -> list[str]:
+    """The ``acc`` knob's choices for an unblocked tile, the untuned one first.
+
+    This TVM allocates every "local" buffer through TVMBackendAllocWorkspace (no stack alloca),
+    once per tile. For long reductions that is noise and the "local" tile is the best register
+    tile (LLVM promotes it); for short ones (depthwise 3x3, 1x1 convs with few input channels) the
+    allocation costs more than the tile's FMAs, so the accumulator stays in the (compacted)
+    global intermediate and LLVM keeps it in registers via LICM. A ragged last tile puts its
+    bounds check on every accumulator update, and LLVM then keeps a "local" tile in memory
+    (squeezenet's 128->16 1x1 conv over 55x55 in tiles of 8: 2.2x slower than accumulating in the
+    intermediate), so it counts as short."""
+    r_total = math.prod(it.dom for it in main_info.iters if it.kind == "R")
+    tile_fmas = rt * math.ceil(vt / lanes) * r_total
+    ragged = RAGGED_GLOBAL_ACC and row_it is not None and row_it.dom % rt != 0
+    short = tile_fmas < SHORT_TILE_FMAS or ragged
+    return ["global", "local"] if short else ["local", "global"]
+
+
+def _schedule_root_stages(sch, main, has_prologue: bool, handled: set, target) -> None:
+    """The stages at root that the micro-kernel's steps did not take (``handled``): the row
+    prologue (layer_norm / softmax rows feeding the GEMM) when there is one, then pads,
+    transposes and unfusable leftovers; packing blocks are left for the layout-rewrite pass."""
+    handled = set(handled)
+    if has_prologue:
+        for prod in sch.get_producers(main):
+            if sch.get(prod).annotations.get(LAYOUT_REWRITE_PREPROC) is not None:
+                continue
+            handled |= schedule_row_prologue(sch, prod, target)
+    root = sch.get_sblock("root") if _has_root(sch) else None
+    for blk in sch.get_child_blocks(root) if root is not None else []:
+        name = sch.get(blk).name_hint
+        if name in handled or sch.get(blk).annotations.get(LAYOUT_REWRITE_PREPROC) is not None:
+            continue
+        schedule_leftover_stage(sch, blk, target)
 
 
 def _split_at_pieces(sch, main_info) -> tuple[list, list, int | None]:
