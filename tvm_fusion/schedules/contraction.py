@@ -38,7 +38,8 @@ Schedule (classic CPU GEMM micro-kernel, chosen by a small cost model over the a
   when the only other reduction blocks are row reductions that feed the contraction's inputs,
   the materialized input and its reductions become one root stage (``row_stage``), parallel
   over rows (every block of a row computed under the row loop, sums vectorized by an rfactor over
-  SIMD lanes), and the GEMM gets the micro-kernel as usual. Two contractions in one PrimFunc (attention) decline.
+  SIMD lanes), and the GEMM gets the micro-kernel as usual. Two contractions in one PrimFunc
+  (attention) decline.
 """
 
 from __future__ import annotations

@@ -222,12 +222,12 @@ def tune(
     this one holds it stops at once with a message (:class:`records.RecordLock`).
 
     Search, per task (:class:`search.TaskSearch`): first the points of the scheduling rule's own
-    space nearest its default (its runner-up plans), then Meta-Schedule's evolutionary search with the XGBoost cost model for the rest,
-    ``num_trials_per_iter`` candidates measured per batch; ``population_size`` defaults to 16 x that
-    (64..512; Meta-Schedule's default is 512). Candidates are built here by ``builders`` worker
-    processes (default: one per core) and measured here, or with ``rpc="host:port:key"`` on every
-    server registered under the key at that TVM RPC tracker (:mod:`.fleet`); fleet records go to
-    ``<target-key>@<key>``, apart from local ones.
+    space nearest its default (its runner-up plans), then Meta-Schedule's evolutionary search with
+    the XGBoost cost model for the rest, ``num_trials_per_iter`` candidates measured per batch;
+    ``population_size`` defaults to 16 x that (64..512; Meta-Schedule's default is 512).
+    Candidates are built here by ``builders`` worker processes (default: one per core) and measured
+    here, or with ``rpc="host:port:key"`` on every server registered under the key at that TVM RPC
+    tracker (:mod:`.fleet`); fleet records go to ``<target-key>@<key>``, apart from local ones.
 
     ``time_budget_s`` bounds the run's wall time: each task gets a share of what is left, in
     proportion to its FLOPs x occurrences (a few seconds per task are kept for the check below),
