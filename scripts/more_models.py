@@ -490,8 +490,8 @@ def write_report(rows: list[dict], md: Path, note: str = "") -> None:
             f"{r['rel_err']:.1e} | {zoo._fmt(r.get('ms_ort'), '.2f')} | {zoo._fmt(r.get('ms_ours'), '.2f')} | "
             f"{zoo._fmt(ratio, '.2f')} |"
         )
-    notes = [f"- {note}" for note in STANDING_NOTES]
-    md.write_text("\n".join(lines + ["", "## Notes", "", *notes] + zoo.history_section(md, note)) + "\n")
+    standing = [f"- {text}" for text in STANDING_NOTES]
+    md.write_text("\n".join(lines + ["", "## Notes", "", *standing] + zoo.history_section(md, note)) + "\n")
 
 
 def main(argv=None) -> int:

@@ -541,8 +541,8 @@ def history_section(md: Path, note: str) -> list[str]:
     """A report's measurement history: ``note`` as a new dated entry above the entries ``md``
     already holds; [] when there are none."""
     history = previous_history(md)
-    if note:
-        history.insert(0, f"- {datetime.date.today().isoformat()}: {note}")
+    if note:  # one line: the next rewrite keeps only the entries' lines
+        history.insert(0, f"- {datetime.date.today().isoformat()}: {' '.join(note.split())}")
     return ["", HISTORY_HEADING, "", *history] if history else []
 
 

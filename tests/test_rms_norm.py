@@ -3,6 +3,7 @@ fuses in front of the projection that reads it."""
 
 import numpy as np
 import pytest
+import tvm
 from conftest import ort_outputs, ort_run, rel_err, run_outputs
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
@@ -11,22 +12,31 @@ import tvm_fusion
 from tvm_fusion.frontend import import_onnx
 from tvm_fusion.ir import op_calls
 from tvm_fusion.passes import CanonicalizeActivations, RecognizeRMSNorm
+from tvm_fusion.passes.widen_long_reductions import MIN_ELEMENTS
+from tvm_fusion.pipeline import pipeline_stages
+from tvm_fusion.targets import parse_target
 
 ROWS, HIDDEN, OUT = 6, 32, 16
+CUDA = {"kind": "cuda", "arch": "sm_80"}
 
 
-def _model(spelling: str, extra_output: bool = False):
+def _model(spelling: str, extra_output: bool = False, hidden: int = HIDDEN):
     """x -> RMSNorm -> MatMul -> y, the norm spelled as torch.onnx writes it: ``reciprocal``
     (T5, both exporters: ``x * (1 / sqrt(mean(x^2) + eps)) * weight``), ``divide``
     (``x / sqrt(..)``), ``cast`` (Llama: a Cast back to float32 before the weight), ``no_weight``
-    (the scaling alone), ``axis0`` (a mean over the first axis: not an RMSNorm)."""
+    (the scaling alone), and what is not an RMSNorm: ``axis0`` (a mean over the first axis),
+    ``numerator_two`` (``2 / sqrt(..)``), ``other_operand`` (the inverse scales the weight, not
+    x), ``eps_vector`` (one epsilon per feature)."""
     rng = np.random.default_rng(0)
     inits = [
         numpy_helper.from_array(np.array(2.0, np.float32), "two"),
-        numpy_helper.from_array(np.array(1e-6, np.float32), "eps"),
+        numpy_helper.from_array(
+            np.full(hidden, 1e-6, np.float32) if spelling == "eps_vector" else np.array(1e-6, np.float32),
+            "eps",
+        ),
         numpy_helper.from_array(np.array(1.0, np.float32), "one"),
-        numpy_helper.from_array(rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32), "weight"),
-        numpy_helper.from_array(rng.standard_normal((HIDDEN, OUT)).astype(np.float32), "w"),
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, hidden).astype(np.float32), "weight"),
+        numpy_helper.from_array(rng.standard_normal((hidden, OUT)).astype(np.float32), "w"),
     ]
     axis = 0 if spelling == "axis0" else -1
     nodes = [
@@ -39,8 +49,8 @@ def _model(spelling: str, extra_output: bool = False):
         nodes.append(helper.make_node("Div", ["x", "root"], ["n"]))
     else:
         nodes += [
-            helper.make_node("Div", ["one", "root"], ["inv"]),
-            helper.make_node("Mul", ["x", "inv"], ["n"]),
+            helper.make_node("Div", ["two" if spelling == "numerator_two" else "one", "root"], ["inv"]),
+            helper.make_node("Mul", ["weight" if spelling == "other_operand" else "x", "inv"], ["n"]),
         ]
     scaled = "n"
     if spelling == "cast":
@@ -56,7 +66,7 @@ def _model(spelling: str, extra_output: bool = False):
     graph = helper.make_graph(
         nodes,
         "rms",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, ROWS, HIDDEN])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, ROWS, hidden])],
         outputs,
         inits,
     )
@@ -65,8 +75,8 @@ def _model(spelling: str, extra_output: bool = False):
     return model
 
 
-def _feeds():
-    return {"x": (np.random.default_rng(1).standard_normal((1, ROWS, HIDDEN)) * 3 + 1).astype(np.float32)}
+def _feeds(hidden: int = HIDDEN):
+    return {"x": (np.random.default_rng(1).standard_normal((1, ROWS, hidden)) * 3 + 1).astype(np.float32)}
 
 
 def _recognized(model):
@@ -91,14 +101,56 @@ def test_rms_norm_spellings_become_one_op_that_fuses_into_the_projection(spellin
     assert rel_err(run_outputs(result.executable, _feeds())[0], ort_run(model, _feeds())) < 1e-5
 
 
-@pytest.mark.parametrize("spelling, extra_output", [("axis0", False), ("reciprocal", True)])
+@pytest.mark.parametrize(
+    "spelling, extra_output",
+    [
+        ("axis0", False),
+        ("numerator_two", False),
+        ("other_operand", False),
+        ("eps_vector", False),
+        ("reciprocal", True),
+    ],
+)
 def test_other_reductions_and_shared_intermediates_are_left_alone(spelling, extra_output):
-    """A mean of squares over another axis is not an RMSNorm, and a norm whose intermediate is
-    read elsewhere (here the root mean square, a second output) cannot become one op without
-    computing it twice."""
+    """Spellings that are not an RMSNorm stay as they are (the spellings above are the controls),
+    and so does a norm whose intermediate is read elsewhere (here the root mean square, a second
+    output): one op could not give it."""
     model = _model(spelling, extra_output)
     assert not op_calls(_recognized(model), ("relax.nn.rms_norm",))
     feeds = _feeds()
     got = run_outputs(tvm_fusion.build(model, "llvm", tuning_logs=None).executable, feeds)
     refs = ort_outputs(model, feeds)
     assert len(got) == len(refs) and all(rel_err(g, ref) < 1e-5 for g, ref in zip(got, refs))
+
+
+def test_rsqrt_spelling_becomes_one_op():
+    """``x * rsqrt(mean(x * x) + eps)``: how a Relax user (not the ONNX frontend) writes it."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((ROWS, HIDDEN), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            mean = bb.emit(relax.op.mean(relax.op.multiply(x, x), axis=[-1], keepdims=True))
+            inverse = bb.emit(relax.op.rsqrt(relax.op.add(mean, relax.const(1e-6, "float32"))))
+            out = bb.emit_output(relax.op.multiply(x, inverse))
+        bb.emit_func_output(out)
+    main = RecognizeRMSNorm()(bb.get())["main"]
+    assert len(op_calls(main, ("relax.nn.rms_norm",))) == 1 and not op_calls(main, ("relax.rsqrt",))
+    data = _feeds()["x"][0]
+    got = run_outputs(tvm.IRModule({"main": main}), [data])[0]
+    np.testing.assert_allclose(got, data / np.sqrt((data * data).mean(-1, keepdims=True) + 1e-6), rtol=1e-5)
+
+
+def test_long_rows_stay_a_mean_that_is_summed_in_float64_on_cpu():
+    """On CPU a mean over 1,024 features or more is widened to float64 (WidenLongReductions), which
+    one ``rms_norm`` would not be: such norms stay arithmetic there, and become one op on CUDA."""
+    model = _model("reciprocal", hidden=MIN_ELEMENTS)
+    for target, norms in (("llvm", 0), (CUDA, 1)):
+        target = parse_target(target)
+        with target:
+            mod = tvm.transform.Sequential(pipeline_stages(target).rewrite)(import_onnx(model).mod)
+        assert len(op_calls(mod["main"], ("relax.nn.rms_norm",))) == norms
+        widened = [c for c in op_calls(mod["main"], ("relax.astype",)) if str(c.attrs.dtype) == "float64"]
+        assert bool(widened) == (target.kind.name == "llvm")
+    feeds = _feeds(MIN_ELEMENTS)
+    got = run_outputs(tvm_fusion.build(model, "llvm", tuning_logs=None).executable, feeds)[0]
+    assert rel_err(got, ort_run(model, feeds)) < 1e-5

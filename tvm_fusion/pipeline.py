@@ -15,7 +15,9 @@ Order, and why:
    InstanceNorm exports (reshape, mean, variance, reshape back, affine) become one ``group_norm``,
    which a layout region can cross (``DecomposeGroupNorm`` expands it again after step 4).
    ``RecognizeRMSNorm``: T5's and the Llama family's RMSNorm (square, mean, add, sqrt, divide,
-   scale) becomes one ``rms_norm``, which fuses in front of its projection like a layer norm.
+   scale) becomes one ``rms_norm``, which fuses in front of its projection like a layer norm (on
+   CPU only rows shorter than ``WidenLongReductions``' threshold: its float64 sum stays on longer
+   ones).
    ``SimplifyPoolCeilMode``: a ``ceil_mode`` pool whose windows rounding up does not change
    loses the flag (and TOPI's padded copy of its input). ``PoolBeforePointwiseConv``: an average
    pool after a 1x1 conv (DenseNet's transitions) pools the conv's input instead, so the conv
@@ -97,6 +99,7 @@ from .passes import (
     TrimPaddingTaps,
     WidenLongReductions,
 )
+from .passes.widen_long_reductions import MIN_ELEMENTS
 from .policy import FusionPolicy
 from .schedules import LowerAttention, default_schedule_passes, mark_prepackable
 from .targets import parse_target
@@ -172,7 +175,8 @@ def pipeline_stages(
     rewrite += [
         CanonicalizeActivations(),
         RecognizeGroupNorm(),
-        RecognizeRMSNorm(),
+        # on CPU a long row's mean of squares stays a mean, which WidenLongReductions widens
+        RecognizeRMSNorm(max_row=MIN_ELEMENTS if target.kind.name == "llvm" else None),
         SimplifyPoolCeilMode(),
         PoolBeforePointwiseConv(),
         TrimPaddingTaps(),

@@ -39,10 +39,10 @@ def _is_scalar(value: np.ndarray | None, number: float | None = None) -> bool:
     return value is not None and value.size == 1 and (number is None or float(value.reshape(())) == number)
 
 
-def _scaled_by_inverse_rms(chain: BindingChain, x, root_mean):
-    """The var of ``x / sqrt(root_mean)`` as the exporters spell it, following single-use
-    bindings from ``root_mean`` (the ``mean + eps`` var); None otherwise."""
-    step = chain.only_user(root_mean)
+def _scaled_by_inverse_rms(chain: BindingChain, x, mean_eps):
+    """The var of ``x / sqrt(mean_eps)`` as the exporters spell it, following single-use
+    bindings from ``mean_eps`` (the ``mean + eps`` var); None otherwise."""
+    step = chain.only_user(mean_eps)
     if chain.call(step, "rsqrt") is not None:  # x * rsqrt(m)
         inverse = step
     elif chain.call(step, "sqrt") is not None:
@@ -63,8 +63,9 @@ def _scaled_by_inverse_rms(chain: BindingChain, x, root_mean):
     return scaled if operand is not None and operand.same_as(x) else None
 
 
-def _match(chain: BindingChain, mean_var):
-    """``(y, rms_norm call)`` for the RMSNorm whose mean of squares is ``mean_var``."""
+def _match(chain: BindingChain, mean_var, max_row: int | None = None):
+    """``(y, rms_norm call)`` for the RMSNorm whose mean of squares is ``mean_var``; None when
+    it is not one, or its rows have ``max_row`` elements or more."""
     mean = chain.call(mean_var, "mean")
     square = chain.call(mean.args[0], "multiply") if mean is not None else None
     if square is None or not square.args[0].same_as(square.args[1]) or chain.uses.get(mean.args[0]) != 1:
@@ -75,6 +76,8 @@ def _match(chain: BindingChain, mean_var):
         return None
     axes = [int(a) % len(shape) for a in mean.attrs.axis] if mean.attrs.axis is not None else None
     if axes != [len(shape) - 1] or not bool(mean.attrs.keepdims):
+        return None
+    if max_row is not None and shape[-1] >= max_row:
         return None
     add_var = chain.only_user(mean_var)
     add = chain.call(add_var, "add")
@@ -100,7 +103,14 @@ def _match(chain: BindingChain, mean_var):
 
 @tvm.transform.module_pass(opt_level=0, name="RecognizeRMSNorm")
 class RecognizeRMSNorm:
-    """Rewrite the ONNX spelling of RMSNorm (T5, Llama, Qwen, Mistral, Gemma) to ``R.nn.rms_norm``."""
+    """Rewrite the ONNX spelling of RMSNorm (T5, Llama, Qwen, Mistral, Gemma) to ``R.nn.rms_norm``.
+
+    ``max_row``: norms over this many features or more stay arithmetic. The pipeline sets it on
+    CPU to ``WidenLongReductions.MIN_ELEMENTS``, so that a long row's mean of squares (Llama-7B's
+    4,096 features) is still summed in float64 there; ``rms_norm`` sums in float32 lanes."""
+
+    def __init__(self, max_row: int | None = None):
+        self.max_row = max_row
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return replace_matches(mod, "relax.mean", _match)
+        return replace_matches(mod, "relax.mean", lambda chain, var: _match(chain, var, self.max_row))

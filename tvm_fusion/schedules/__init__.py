@@ -93,10 +93,10 @@ def default_schedule_passes(target, prepack: bool = True) -> list[tvm.transform.
 def apply_default_schedules(target, prepack: bool = True) -> tvm.transform.Pass:
     """``dl.ApplyDefaultSchedule(*default_rules(target))``, plus compile-time weight packing on CPU.
 
-        Run it inside ``with target:`` (dlight reads the target from the context when a PrimFunc has
-        no "target" attribute). With ``prepack=False`` (or on GPU) it is that pass alone, with the
+    Run it inside ``with target:`` (dlight reads the target from the context when a PrimFunc has
+    no "target" attribute). With ``prepack=False`` (or on GPU) it is that pass alone, with the
     rules of :func:`default_rules` (ours on CPU; dlight's GPU rules, Matmul made tunable, on CUDA).
-        Tuned records go between the two halves (see ``pipeline_passes``).
+    Tuned records go between the two halves (see ``pipeline_passes``).
     """
     passes = mark_prepackable(target, prepack) + default_schedule_passes(target, prepack)
     return (

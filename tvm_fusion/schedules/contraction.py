@@ -51,6 +51,7 @@ from tvm import tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
+from . import contraction_plan  # its constants read at call time: a tweak there reaches this rule too
 from ._util import (
     LAYOUT_REWRITE_PREPROC,
     CpuRule,
@@ -73,10 +74,7 @@ from ._util import (
 )
 from .contraction_plan import (
     L1_BYTES,
-    MAX_IMBALANCE,
     MAX_ROWS,
-    MIN_CHUNK_STEPS,
-    PANEL_BYTES,
     cache_block_plan,
     charge_blocked_imbalance,
     imbalance,
@@ -147,7 +145,7 @@ class Contraction(CpuRule):
         if len(reductions) == 1:
             main_info = reductions[0]
         else:
-            # layer_norm / softmax fused in front of a GEMM: the row reductions become their
+            # layer_norm / rms_norm / softmax fused in front of a GEMM: the row reductions become their
             # own parallel stage (see schedule_row_prologue), the GEMM gets the micro-kernel
             main_info = _prologue_contraction(sch, reductions)
             if main_info is None:
@@ -238,7 +236,7 @@ class Contraction(CpuRule):
             if blocking is not None and piece_step is not None and piece_step % blocking[1]:
                 # chunks must not straddle the pieces: the largest divisor of their step below it
                 chunk = divisors_upto(piece_step, blocking[1])[-1]
-                blocking = (blocking[0], chunk) if chunk >= MIN_CHUNK_STEPS else None
+                blocking = (blocking[0], chunk) if chunk >= contraction_plan.MIN_CHUNK_STEPS else None
         task_local = None
         if blocking is None and not small:
             task_local = _task_local_plan(sch, main_info, stmt, v_it, row_it, rt, vt, slots, target)
@@ -480,8 +478,9 @@ def _blocking_options(main_info, reads, layout_free, v_it, vt, row_it, rt, slots
     """The ``block`` knob's choices: the model's cache blocking of the reduction at the default
     panel budget (first: the untuned choice), none, then at half and twice the budget; each
     distinct choice once."""
+    panel = contraction_plan.PANEL_BYTES
     options = []
-    for budget in (PANEL_BYTES, 0, PANEL_BYTES // 2, PANEL_BYTES * 2):
+    for budget in (panel, 0, panel // 2, panel * 2):
         option = (
             cache_block_plan(main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target, budget)
             if budget
@@ -512,7 +511,7 @@ def _accumulator_scopes(main_info, row_it, rt: int, vt: int, lanes: int) -> list
 
 def _schedule_root_stages(sch, main, has_prologue: bool, handled: set, target) -> None:
     """The stages at root that the micro-kernel's steps did not take (``handled``): the row
-    prologue (layer_norm / softmax rows feeding the GEMM) when there is one, then pads,
+    prologue (layer_norm / rms_norm / softmax rows feeding the GEMM) when there is one, then pads,
     transposes and unfusable leftovers; packing blocks are left for the layout-rewrite pass."""
     handled = set(handled)
     if has_prologue:
@@ -635,7 +634,10 @@ def _task_local_plan(sch, main_info, stmt, v_it, row_it, rt, vt, slots, target):
     exts = tile_counts(main_info, v_it, vt, row_it, rt, slots)
     if n_par == 0 or n_par == len(order):
         return None  # nothing to move into the tasks (or every tile its own task: no saving)
-    if imbalance(math.prod(exts[i] for i in order[:n_par]), num_cores(target)) > MAX_IMBALANCE:
+    if (
+        imbalance(math.prod(exts[i] for i in order[:n_par]), num_cores(target))
+        > contraction_plan.MAX_IMBALANCE
+    ):
         return None
     return [b.name_hint for b in producers], n_par, order
 
@@ -686,7 +688,7 @@ def _compute_in_task(sch, block, task_loop) -> None:
 def _prologue_contraction(sch, reductions):
     """The one contraction among several reduction blocks, if every other reduction is a row
     reduction (one operand moving along its reduction axes: sum / max / variance) that only feeds
-    the contraction's inputs (layer_norm -> GEMM, softmax -> GEMM). Otherwise None.
+    the contraction's inputs (layer_norm or rms_norm -> GEMM, softmax -> GEMM). Otherwise None.
 
     Two contractions (attention's QK^T -> softmax -> PV) are declined: the row stage would run
     the first GEMM scalar."""

@@ -5,7 +5,7 @@ Pure analysis of a contraction block's access patterns (no schedule is changed h
 takes per FMA at peak, ``charge_blocked_imbalance`` re-ranks them by the parallel tasks their cache
 blocking leaves, and ``cache_block_plan`` picks the reduction chunk that keeps a weight panel in
 L1. ``Contraction`` applies the plan it is given (its ``plan`` knob: the n-th best of these);
-``Winograd`` and ``Strassen`` use the same hardware constants for their GEMMs.
+``Winograd``'s GEMM plans (which ``Strassen`` uses too) take the same hardware constants.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Root stages around a CPU contraction: a GEMM input computed with its row reductions
-(``layer_norm -> matmul``: the norm as the GEMM's prologue), and any other stage next to the
+(``layer_norm`` or ``rms_norm -> matmul``: the norm as the GEMM's prologue), and any other stage next to the
 micro-kernel. Shared by ``Contraction``, ``Strassen`` and ``RowReduction``."""
 
 from __future__ import annotations
