@@ -457,6 +457,17 @@ def test_cpu_tiles_fit_the_target(mcpu):
     assert spec.head_dim_v % tiles.pv_cols == 0
 
 
+def test_cpu_kernel_repacks_a_per_query_bias_in_parallel():
+    """A bias that varies over queries (T5's relative position bias, 8 x 128 x 128) is repacked
+    to [key, query] in each call; done serially it was 40 % of T5's attention kernel (0.43 ->
+    0.26 ms alone with the slices in parallel)."""
+    spec = AttentionSpec(1, 8, 128, 128, 64, 64, 1.0, ((1, 8, 128, 128), (1, 1, 1, 128)))
+    func = cpu_attention_kernel(spec, llvm_target())
+    sch = tvm.s_tir.Schedule(func)
+    loops = sch.get_loops(sch.get_sblock("pack_bias0"))
+    assert sch.get(loops[0]).kind == tvm.tirx.ForKind.PARALLEL and sch.get(loops[0]).extent == 8
+
+
 @pytest.mark.parametrize("head_dim", [20, 24, 36, 40, 72])
 def test_cpu_kernel_vectors_fit_one_register_for_any_head_dim(head_dim):
     """A head dim no multiple of the SIMD width made one vector of the whole tile width per P.V
