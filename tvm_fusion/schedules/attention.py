@@ -439,13 +439,14 @@ def cpu_attention_kernel(
                         acc[io * R2 + ii, dc * W2 + dv * VW2 + dd] = o_reg[ii, dv * VW2 + dd]
 
     @T.macro
-    def bias_pack(bias, pack, shape, pshape, bn):
-        # one (batch, head) slice as [key, query] (or [key]), zeros past the last key (the score
-        # masks those keys); the slices in parallel (T5's 8 x 128 x 128 position bias, serial,
-        # was most of its attention kernel's time)
-        bb = bn // pshape[1]
-        nb = bn % pshape[1]
-        for j, i in T.grid(pshape[2], pshape[3]):
+    def bias_pack(bias, pack, shape, pshape, task):
+        # one key tile of one (batch, head) slice in the [key, query] (or [key]) layout, zeros
+        # past the last key (the score masks those keys); the tiles in parallel (T5's 8 x 128 x
+        # 128 position bias, packed serially, was about a third of its attention kernel's time)
+        bb = task // (pshape[1] * KT)
+        nb = task // KT % pshape[1]
+        for jj, i in T.grid(Tk, pshape[3]):
+            j = task % KT * Tk + jj
             pack[bb, nb, j, i] = T.if_then_else(
                 j < Skv, bias[bb, nb, T.min(i, shape[2] - 1), T.min(j, Skv - 1)], zero
             )
@@ -484,17 +485,17 @@ def cpu_attention_kernel(
         pack1 = T.sblock_alloc_buffer(pack_shape(1), dtype)
         packs = [pack0, pack1]
         if n_bias > 0 and packed[0]:
-            for bn in T.parallel(packed_shapes[0][0] * packed_shapes[0][1]):
+            for task in T.parallel(packed_shapes[0][0] * packed_shapes[0][1] * KT):
                 with T.sblock("pack_bias0"):
                     T.reads()
                     T.writes()
-                    bias_pack(biases[0], pack0, spec.bias_shapes[0], packed_shapes[0], bn)
+                    bias_pack(biases[0], pack0, spec.bias_shapes[0], packed_shapes[0], task)
         if n_bias > 1 and packed[1]:
-            for bn in T.parallel(packed_shapes[1][0] * packed_shapes[1][1]):
+            for task in T.parallel(packed_shapes[1][0] * packed_shapes[1][1] * KT):
                 with T.sblock("pack_bias1"):
                     T.reads()
                     T.writes()
-                    bias_pack(biases[1], pack1, spec.bias_shapes[1], packed_shapes[1], bn)
+                    bias_pack(biases[1], pack1, spec.bias_shapes[1], packed_shapes[1], task)
         bias_max = T.sblock_alloc_buffer((1,), dtype)
         with T.sblock("bias_max"):
             T.reads()
