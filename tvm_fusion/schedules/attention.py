@@ -320,6 +320,10 @@ def cpu_attention_kernel(
     def pack_shape(k):
         return packed_shapes[k] if k < n_bias and packed[k] else (1,)
 
+    # the bias repacking's tasks (batch x heads x key tiles): a loop of one task stays serial
+    pack_tasks = [s[0] * s[1] * KT for s in packed_shapes]
+    pack_loops = [T.parallel if n > 1 else T.serial for n in pack_tasks]
+
     def read_input(buf, which, b, s, n, d):
         """Q, K or V at (batch, seq, head, dim): BSNH, or columns of a packed projection."""
         view = views[which]
@@ -485,13 +489,13 @@ def cpu_attention_kernel(
         pack1 = T.sblock_alloc_buffer(pack_shape(1), dtype)
         packs = [pack0, pack1]
         if n_bias > 0 and packed[0]:
-            for task in T.parallel(packed_shapes[0][0] * packed_shapes[0][1] * KT):
+            for task in pack_loops[0](pack_tasks[0]):
                 with T.sblock("pack_bias0"):
                     T.reads()
                     T.writes()
                     bias_pack(biases[0], pack0, spec.bias_shapes[0], packed_shapes[0], task)
         if n_bias > 1 and packed[1]:
-            for task in T.parallel(packed_shapes[1][0] * packed_shapes[1][1] * KT):
+            for task in pack_loops[1](pack_tasks[1]):
                 with T.sblock("pack_bias1"):
                     T.reads()
                     T.writes()
