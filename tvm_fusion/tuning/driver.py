@@ -263,15 +263,7 @@ def tune(
         rset = open_for_tuning(path, model_name, model_hash, target, messages, device_key)
         for msg in messages:
             say(msg)
-        tasks = extract_tasks(mod, target)
-        default_tasks = len(tasks)  # the kernels of the untuned build; alternatives' come after
-        if alternatives:
-            seen = {workload_key(t.dispatched[0]) for t in tasks}
-            for alt in alternatives:
-                for task in extract_tasks(alt, target):
-                    if workload_key(task.dispatched[0]) not in seen:
-                        seen.add(workload_key(task.dispatched[0]))
-                        tasks.append(task)
+        tasks, default_tasks = _tasks_with_alternatives(mod, alternatives or [], target)
         summaries = plan_tasks(rset, tasks, split_budget(trials, len(tasks), max_trials_per_task))
         with stop.saving():
             rset.save()  # manifest first: any later state on disk says what it is for
@@ -302,16 +294,11 @@ def tune(
                 stop.check()
                 task_deadline = None
                 if deadline is not None:
-                    # the budget pays for each searched task's check against its default afterwards:
-                    # a task starts only if its own check fits, and its share of the search time is
-                    # what is left after the checks of every task still to come
                     reserve = _verify_reserve_s(search, check_default)
-                    if deadline - time.time() <= reserve * (searched + 1):
+                    task_deadline = _task_deadline(deadline, reserve, searched, i, summaries, weights)
+                    if task_deadline is None:
                         summary.out_of_time = True
                         continue
-                    left = [j for j in range(i, len(tasks)) if not summaries[j].done]
-                    spare = max(deadline - time.time() - reserve * (searched + len(left)), 0.0)
-                    task_deadline = time.time() + spare * weights[i] / sum(weights[j] for j in left)
                 load_tensor_intrinsics()  # TuneContext imports them; only when there is work
                 searched += 1
                 try:
@@ -377,6 +364,35 @@ def tune(
         messages=messages,
         time_budget_s=time_budget_s,
     )
+
+
+def _tasks_with_alternatives(mod: tvm.IRModule, alternatives: list, target) -> tuple[list, int]:
+    """The tasks of ``mod`` (the kernels of the untuned build), then those of each alternative
+    module (other conv algorithms) not among them: (tasks, how many are ``mod``'s)."""
+    tasks = extract_tasks(mod, target)
+    default_tasks = len(tasks)
+    seen = {workload_key(t.dispatched[0]) for t in tasks}
+    for alt in alternatives:
+        for task in extract_tasks(alt, target):
+            if workload_key(task.dispatched[0]) not in seen:
+                seen.add(workload_key(task.dispatched[0]))
+                tasks.append(task)
+    return tasks, default_tasks
+
+
+def _task_deadline(
+    deadline: float, reserve: float, searched: int, i: int, summaries, weights
+) -> float | None:
+    """When task ``i``'s search must end, or None when the run's ``deadline`` leaves no room for
+    it. The budget pays for each searched task's check against its default afterwards
+    (``reserve`` seconds each): a task starts only if its own check fits, and its share of the
+    search time (by ``weights``) is what is left after the checks of every task still to come."""
+    now = time.time()
+    if deadline - now <= reserve * (searched + 1):
+        return None
+    left = [j for j in range(i, len(summaries)) if not summaries[j].done]
+    spare = max(deadline - now - reserve * (searched + len(left)), 0.0)
+    return now + spare * weights[i] / sum(weights[j] for j in left)
 
 
 VERIFY_RESERVE_S = 14.0  # per task, of a time budget: the side-by-side check with the default
