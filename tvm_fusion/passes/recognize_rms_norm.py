@@ -94,9 +94,9 @@ def _match(chain: BindingChain, mean_var, max_row: int | None = None):
     scale_var = chain.only_user(y)
     scale = chain.call(scale_var, "multiply")
     value = constant_value(_other(scale, y), chain.var2val) if scale is not None else None
-    if value is not None and static_shape(scale_var) == shape and value.shape[-1:] == (shape[-1],):
-        if value.size == shape[-1]:  # one value per feature ([D] or [1, .., D])
-            weight, y = value.astype("float32").reshape(-1), scale_var
+    per_feature = value is not None and value.shape[-1:] == (shape[-1],) and value.size == shape[-1]
+    if per_feature and static_shape(scale_var) == shape:  # a weight [D] or [1, .., D]
+        weight, y = value.astype("float32").reshape(-1), scale_var
     call = relax.op.nn.rms_norm(x, relax.const(weight), axes=[-1], epsilon=float(eps.reshape(())))
     return y, call
 

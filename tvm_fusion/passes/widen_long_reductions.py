@@ -11,8 +11,8 @@ since a long reduction reads its whole operand from memory, the wider adds cost 
 Reductions over fewer than ``MIN_ELEMENTS`` elements (a LayerNorm row of a small transformer, a
 global average pool of a 7x7 map) keep float32: their chains are short. Longer ones are widened
 whatever they compute (an RMSNorm's mean of squares over a 4,096-wide hidden state too, which
-``RecognizeRMSNorm`` leaves as a mean on CPU for that reason). CPU only
-(the pipeline adds it for LLVM targets): GPU reductions sum in trees.
+``RecognizeRMSNorm`` leaves as a mean on CPU for that reason). CPU only (the pipeline adds it for
+LLVM targets): GPU reductions sum in trees.
 """
 
 from __future__ import annotations

@@ -12,7 +12,15 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
-from ._util import get_sblock_realize, int_extent, is_cpu, num_cores, schedule_injective_block, try_primitive
+from ._util import (
+    get_sblock_realize,
+    int_extent,
+    is_cpu,
+    num_cores,
+    schedule_injective_block,
+    try_primitive,
+    uses_var,
+)
 
 
 class ParallelFallback(ScheduleRule):
@@ -71,8 +79,7 @@ def spatial_loop_prefix(sch, blk) -> list:
             break
         ok = True
         for it, val in zip(stmt.iter_vars, realize.iter_values):
-            uses = any(v.same_as(loop.loop_var) for v in tirx.analysis.undefined_vars(val))
-            if uses and it.iter_type != tirx.IterVar.DataPar:
+            if uses_var(val, loop.loop_var) and it.iter_type != tirx.IterVar.DataPar:
                 ok = False
                 break
         if not ok:

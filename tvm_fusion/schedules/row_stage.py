@@ -14,6 +14,7 @@ from ._util import (
     reachable_blocks,
     schedule_injective_block,
     try_primitive,
+    uses_var,
     vector_lanes,
 )
 from .fallback import schedule_nest
@@ -131,14 +132,13 @@ def vectorize_row_inner(sch, blk, lanes):
 
 
 def _binds_reduction(sch, blk, loop) -> bool:
+    """Whether ``loop`` drives one of ``blk``'s reduction iters."""
     var = sch.get(loop).loop_var
     realize = get_sblock_realize(sch, blk)
-    for it, val in zip(sch.get(blk).iter_vars, realize.iter_values):
-        if it.iter_type != tirx.IterVar.DataPar and any(
-            v.same_as(var) for v in tirx.analysis.undefined_vars(val)
-        ):
-            return True
-    return False
+    return any(
+        it.iter_type != tirx.IterVar.DataPar and uses_var(val, var)
+        for it, val in zip(sch.get(blk).iter_vars, realize.iter_values)
+    )
 
 
 def schedule_leftover_stage(sch, blk, target) -> None:
