@@ -220,15 +220,50 @@ def count_uses(func: relax.Function) -> dict[relax.Var, int]:
     return uses
 
 
-def constant_value(expr, var2val: dict) -> np.ndarray | None:
-    """The value of a constant (or of a var bound to one), also through a reshape (the frontend
-    reshapes some constants, e.g. InstanceNormalization's scale to ``[-1, 1]``, and FoldConstant
-    may not have run yet); None for anything else."""
-    expr = var2val.get(expr, expr) if isinstance(expr, relax.Var) else expr
-    if op_name(expr) == "relax.reshape" and isinstance(expr.args[0], tvm.ir.expr.Constant):
-        shape = static_shape(expr)
-        return None if shape is None else expr.args[0].value.numpy().reshape(shape)
-    return expr.value.numpy() if isinstance(expr, tvm.ir.expr.Constant) else None
+_CONSTANT_VIEWS = ("relax.reshape", "relax.permute_dims", "relax.astype")
+_MAX_LOOKUPS = 8  # vars and views followed from an expression to its constant
+
+
+def is_constant(expr) -> bool:
+    return isinstance(expr, tvm.ir.Constant)
+
+
+def constant_value(expr, var2val=None, hidden=(), _depth: int = 0) -> np.ndarray | None:
+    """The value of a constant expression: a constant, or a var bound to one, also through
+    reshapes, permute_dims and casts of one (the frontend reshapes some constants, e.g.
+    InstanceNormalization's scale to ``[-1, 1]``, and ``FoldConstant`` may not have run yet).
+    None for anything else, for vars in ``hidden`` (bindings being rewritten) and for payloads
+    numpy cannot hold."""
+    if _depth > _MAX_LOOKUPS:
+        return None
+    if isinstance(expr, relax.Var):
+        if expr in hidden:
+            return None
+        return constant_value((var2val or {}).get(expr), var2val, hidden, _depth + 1)
+    if is_constant(expr):
+        try:
+            return expr.value.numpy()
+        except Exception:  # not a tensor payload numpy can hold
+            return None
+    name = op_name(expr)
+    if name not in _CONSTANT_VIEWS:
+        return None
+    inner = constant_value(expr.args[0], var2val, hidden, _depth + 1)
+    shape = static_shape(expr)
+    if inner is None or shape is None:
+        return None
+    if name == "relax.reshape":
+        return inner.reshape(shape)
+    if name == "relax.permute_dims":
+        axes = expr.attrs.axes
+        return np.transpose(inner, None if axes is None else [int(a) for a in axes])
+    return inner.astype(dtype_of(expr))
+
+
+def scalar_value(expr, var2val=None) -> float | None:
+    """A one-element constant expression (see :func:`constant_value`) as a float, else None."""
+    value = constant_value(expr, var2val)
+    return float(value.reshape(())) if value is not None and value.size == 1 else None
 
 
 class BindingChain:

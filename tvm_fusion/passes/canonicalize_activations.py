@@ -26,19 +26,10 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ..ir import graph_functions, is_float_dtype, with_bindings
+from ..ir import graph_functions, is_float_dtype, scalar_value, with_bindings
 from ..ops import hardswish
 
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
-
-
-def _scalar(expr, var2val) -> float | None:
-    expr = var2val.get(expr, expr) if isinstance(expr, relax.Var) else expr
-    if isinstance(expr, tvm.ir.GenericConst):
-        data = expr.value.numpy()
-        if data.size == 1:
-            return float(data.reshape(()))
-    return None
 
 
 def _op(expr, var2val, name):
@@ -66,7 +57,7 @@ def _scaled(expr, var2val, value):
     if mul is None:
         return None
     for y, c in (mul.args, mul.args[::-1]):
-        scale = _scalar(c, var2val)
+        scale = scalar_value(c, var2val)
         if scale is not None and math.isclose(scale, value, rel_tol=1e-4):
             return y
     return None
@@ -82,7 +73,7 @@ def _erf_input(expr, var2val):
         return x
     div = _op(erf.args[0], var2val, "divide")
     if div is not None:
-        scale = _scalar(div.args[1], var2val)
+        scale = scalar_value(div.args[1], var2val)
         if scale is not None and math.isclose(scale, math.sqrt(2.0), rel_tol=1e-4):
             return div.args[0]
     return None
@@ -90,7 +81,7 @@ def _erf_input(expr, var2val):
 
 def _is_cube_of(expr, x, var2val) -> bool:
     power = _op(expr, var2val, "power")
-    return power is not None and power.args[0].same_as(x) and _scalar(power.args[1], var2val) == 3.0
+    return power is not None and power.args[0].same_as(x) and scalar_value(power.args[1], var2val) == 3.0
 
 
 def _tanh_gelu_input(expr, var2val):
@@ -113,7 +104,9 @@ def _half_x_one_plus(var, var2val, inner_input):
     leaves = _factors(var, var2val)
     if len(leaves) != 3:
         return None
-    half = [leaf for leaf in leaves if (s := _scalar(leaf, var2val)) is not None and math.isclose(s, 0.5)]
+    half = [
+        leaf for leaf in leaves if (s := scalar_value(leaf, var2val)) is not None and math.isclose(s, 0.5)
+    ]
     if len(half) != 1:
         return None
     for one_plus in leaves:
@@ -121,7 +114,7 @@ def _half_x_one_plus(var, var2val, inner_input):
         if add is None:
             continue
         for g, one in (add.args, add.args[::-1]):
-            if _scalar(one, var2val) != 1.0:
+            if scalar_value(one, var2val) != 1.0:
                 continue
             x = inner_input(g, var2val)
             rest = [leaf for leaf in leaves if not leaf.same_as(one_plus) and not leaf.same_as(half[0])]
@@ -146,7 +139,7 @@ def _match_small_power(var, var2val):
     """``x ** 2`` / ``x ** 3`` with a constant exponent: products (RMS norms square, tanh-GELU
     cubes), which fuse as elementwise ops and need no ``powf`` call per element."""
     power = _op(var, var2val, "power")
-    exponent = _scalar(power.args[1], var2val) if power is not None else None
+    exponent = scalar_value(power.args[1], var2val) if power is not None else None
     if exponent not in (2.0, 3.0):
         return None
     x = power.args[0]
@@ -170,7 +163,7 @@ def _tir_clamp(expr, var2val, mod):
     if kind not in ("maximum", "minimum") or not isinstance(args, relax.Tuple) or len(args.fields) != 2:
         return None
     x, bound = args.fields
-    scalar = _scalar(bound, var2val)
+    scalar = scalar_value(bound, var2val)
     func = mod[gvar] if mod is not None and gvar in mod.get_global_vars() else None
     if scalar is None or func is None or len(func.params) != 3:
         return None
@@ -216,7 +209,7 @@ def _relu6_shifted_input(expr, var2val):
     if add is None:
         return None
     for x, c in (add.args, add.args[::-1]):
-        if _scalar(c, var2val) == 3.0:
+        if scalar_value(c, var2val) == 3.0:
             return x
     return None
 
@@ -228,7 +221,7 @@ def _match_hardswish(var, var2val):
         return None
     for x, gate in (call.args, call.args[::-1]):
         div = _op(gate, var2val, "divide")
-        if div is None or _scalar(div.args[1], var2val) != 6.0:
+        if div is None or scalar_value(div.args[1], var2val) != 6.0:
             continue
         if (inner := _relu6_shifted_input(div.args[0], var2val)) is not None and inner.same_as(x):
             if tvm_ffi.structural_equal(x.ty, call.ty):

@@ -47,7 +47,14 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import dtype_of, graph_functions, named_shape, op_name, static_shape, tensor_type, with_functions
+from ..ir import (
+    constant_value,
+    dtype_of,
+    graph_functions,
+    named_shape,
+    op_name,
+    with_functions,
+)
 
 __all__ = ["FoldBatchNorm"]
 
@@ -55,9 +62,7 @@ _BN = "relax.nn.batch_norm"
 _CONVS = {"relax.nn.conv1d": 1, "relax.nn.conv2d": 2, "relax.nn.conv3d": 3}
 _MATMUL = "relax.matmul"
 _ADD = "relax.add"
-_RESHAPE = "relax.reshape"
 _PERMUTE = "relax.permute_dims"
-_ASTYPE = "relax.astype"
 _MULTIPLY = "relax.multiply"
 _MAX_ROUNDS = 16
 
@@ -204,34 +209,9 @@ class _Planner:
             return None
         return self.var2val.get(var)
 
-    def const_value(self, expr, depth: int = 0) -> np.ndarray | None:
-        """numpy value of a constant expression (constants through reshape/permute_dims/astype)."""
-        if depth > 8:
-            return None
-        if isinstance(expr, tvm.ir.Constant) and hasattr(expr, "value") and tensor_type(expr) is not None:
-            try:
-                return expr.value.numpy()
-            except Exception:  # non-tensor payload
-                return None
-        if isinstance(expr, relax.Var):
-            if expr in self.replaced:
-                return None
-            val = self.var2val.get(expr)
-            return None if val is None else self.const_value(val, depth + 1)
-        name = op_name(expr)
-        if name in (_RESHAPE, _PERMUTE, _ASTYPE):
-            inner = self.const_value(expr.args[0], depth + 1)
-            shape = static_shape(expr)
-            if inner is None or shape is None:
-                return None
-            if name == _RESHAPE:
-                return inner.reshape(shape)
-            if name == _PERMUTE:
-                axes = expr.attrs.axes
-                axes = None if axes is None else [int(a) for a in axes]
-                return np.transpose(inner, axes)
-            return inner.astype(dtype_of(expr))
-        return None
+    def const_value(self, expr) -> np.ndarray | None:
+        """The value of a constant expression, not looking through vars being rewritten."""
+        return constant_value(expr, self.var2val, hidden=self.replaced)
 
     def channel_vector(self, expr, out_shape: tuple, axis: int) -> np.ndarray | None:
         """A constant that, broadcast against ``out_shape``, varies only along ``axis``: its

@@ -50,7 +50,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
-from ..ir import count_uses, static_shape
+from ..ir import constant_value, count_uses, is_constant, scalar_value, static_shape
 from ..policy import FusionPolicy
 from ..schedules.attention import ATTENTION_OPS, MAX_BIASES, SPEC_ATTR, AttentionSpec, fused_attention_spec
 
@@ -212,11 +212,11 @@ class _Analysis:
             var = self.var_of.get(call)
             if var is not None and self.uses.get(var, 0) > allowed.get(var, 1):
                 return f"{var.name} ({call.op.name.removeprefix('relax.')}) has other consumers"
-        if mt.nan_fix is not None and _scalar(mt.nan_fix.args[1]) != 0.0:
+        if mt.nan_fix is not None and scalar_value(mt.nan_fix.args[1]) != 0.0:
             return "the probabilities' NaN guard does not write 0"
         scale = 1.0
         if mt.scale_call is not None:
-            value = _scalar(next(a for a in mt.scale_call.args if _is_const(a)))
+            value = scalar_value(next(a for a in mt.scale_call.args if is_constant(a)))
             if value is None:
                 return "the score scale is not a scalar constant"
             scale = 1.0 / value if mt.scale_call.op.name == "relax.divide" else value
@@ -283,13 +283,13 @@ class _Analysis:
         scale = 1.0
         for _ in range(4):
             mul = self._call_of(expr, "relax.multiply")
-            if mul is None or sum(_is_const(a) for a in mul.args) != 1:
+            if mul is None or sum(is_constant(a) for a in mul.args) != 1:
                 break
-            value = _scalar(next(a for a in mul.args if _is_const(a)))
+            value = scalar_value(next(a for a in mul.args if is_constant(a)))
             if value is None:
                 break
             scale *= value
-            expr = next(a for a in mul.args if not _is_const(a))
+            expr = next(a for a in mul.args if not is_constant(a))
         return expr, scale
 
     def _to_bsnh(self, expr, perm: list[int], shape: list[int]):
@@ -347,21 +347,21 @@ class _Analysis:
     def _bias_parts(self, other, seq_q, seq_kv, scores_shape, split: bool):
         """An added mask as [(bias, shape)] or, with ``split``, [(per-key bias, shape),
         (offset, fill)] / [(offset, fill)] when it hides a causal triangle; or why not."""
-        value = _const_array(other, self.var2val) if split else None
+        value = constant_value(other, self.var2val) if split else None
         if value is not None and value.dtype.kind == "f":
             found = _causal_additive(value, seq_q, seq_kv)
             if found is not None:
                 return [found]
         where = self._call_of(other, "relax.where")
-        if where is not None and _scalar(where.args[1]) == 0.0:
-            fill = _scalar(where.args[2])
+        if where is not None and scalar_value(where.args[1]) == 0.0:
+            fill = scalar_value(where.args[2])
             cond = where.args[0]
             land = self._call_of(cond, "relax.logical_and")
             if fill is not None and (fill == -math.inf or fill <= HUGE_NEGATIVE) and land is not None:
-                consts = [a for a in land.args if _const_array(a, self.var2val) is not None]
+                consts = [a for a in land.args if constant_value(a, self.var2val) is not None]
                 if len(consts) == 1:
                     rest = next(a for a in land.args if not a.same_as(consts[0]))
-                    keep = _const_array(consts[0], self.var2val)
+                    keep = constant_value(consts[0], self.var2val)
                     small = relax.op.where(rest, relax.const(0.0, "float32"), relax.const(fill, "float32"))
                     rest_shape = _shape(rest)
                     if (
@@ -383,10 +383,10 @@ class _Analysis:
 
     def _causal_where(self, kind, cond, fill, seq_q, seq_kv):
         """(offset, fill) of ``where(keep, x, fill)`` / ``where(drop, fill, x)``, or why not."""
-        cond_value = _const_array(cond, self.var2val)
+        cond_value = constant_value(cond, self.var2val)
         if cond_value is None or cond_value.dtype != np.bool_:
             return "where with a condition that is not a constant (not a causal mask)"
-        fill_value = _scalar(fill, self.var2val)
+        fill_value = scalar_value(fill, self.var2val)
         if fill_value is None or fill_value > LARGE_NEGATIVE:
             return f"where fills {fill_value}, not a large negative constant (<= {LARGE_NEGATIVE:g})"
         keep = cond_value if kind == "keep" else ~cond_value
@@ -410,10 +410,6 @@ class _Analysis:
 def _shape(expr) -> list[int] | None:
     dims = static_shape(expr)
     return None if dims is None else list(dims)
-
-
-def _is_const(expr) -> bool:
-    return isinstance(expr, tvm.ir.GenericConst)
 
 
 def _axes(call: relax.Call, rank: int) -> list[int]:
@@ -447,29 +443,6 @@ def _broadcasts(shape: list[int], target: list[int]) -> bool:
         return False
     padded = [1] * (len(target) - len(shape)) + list(shape)
     return all(s in (1, t) for s, t in zip(padded, target)) and padded[-1] == target[-1]
-
-
-def _const_array(expr, var2val) -> np.ndarray | None:
-    value = var2val.get(expr, expr) if isinstance(expr, relax.Var) else expr
-    if not _is_const(value):
-        return None
-    try:
-        return value.value.numpy()
-    except Exception:  # dtypes numpy cannot hold
-        return None
-
-
-def _scalar(expr, var2val=None) -> float | None:
-    value = (var2val or {}).get(expr, expr) if isinstance(expr, relax.Var) else expr
-    if not _is_const(value):
-        return None
-    try:
-        data = value.value.numpy()
-    except Exception:
-        return None
-    if data.size != 1 or data.dtype.kind != "f" or np.any(data.reshape(-1) != data.reshape(-1)[0]):
-        return None
-    return float(data.reshape(-1)[0])
 
 
 def _tril_offset(keep: np.ndarray, seq_q: int, seq_kv: int) -> int | None:
@@ -513,7 +486,7 @@ def _unmatched_reason(analysis: _Analysis, softmax: relax.Call) -> str | None:
         if value.op.name == "relax.matmul":
             break
         steps.append(value.op.name.removeprefix("relax."))
-        operands = [a for a in value.args if not _is_const(a) and _shape(a) is not None]
+        operands = [a for a in value.args if not is_constant(a) and _shape(a) is not None]
         if not operands:
             return None
         expr = max(operands, key=lambda a: int(np.prod(_shape(a))))  # the scores are the largest

@@ -68,7 +68,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ..ir import dtype_of, graph_functions, op_name, shape_dims
+from ..ir import constant_value, dtype_of, graph_functions, is_constant, op_name, shape_dims
 
 ATTR_KEY = "tvm_fusion.horizontal_fuse"
 
@@ -122,36 +122,6 @@ _INF = float("inf")
 
 
 # -- small helpers ------------------------------------------------------------------------------
-
-
-def _is_const(expr) -> bool:
-    return isinstance(expr, tvm.ir.Constant)
-
-
-def _const_value(expr, var2val, depth: int = 0) -> np.ndarray | None:
-    """The numpy value of a constant, looking through Var bindings of reshape/permute_dims."""
-    if _is_const(expr):
-        try:
-            return expr.value.numpy()
-        except Exception:  # dtypes numpy cannot hold (e.g. bfloat16): leave the group alone
-            return None
-    if depth > 4 or not isinstance(expr, relax.Var) or expr not in var2val:
-        return None
-    value = var2val[expr]
-    name = op_name(value)
-    if name == "relax.permute_dims":
-        arr = _const_value(value.args[0], var2val, depth + 1)
-        if arr is None:
-            return None
-        axes = value.attrs.axes
-        return np.transpose(arr, None if axes is None else [int(a) for a in axes])
-    if name == "relax.reshape":
-        arr = _const_value(value.args[0], var2val, depth + 1)
-        shape = shape_dims(value)
-        if arr is None or shape is None or None in shape:
-            return None
-        return arr.reshape(shape)
-    return None
 
 
 def _layout_axis(layout: str, letter: str) -> int | None:
@@ -291,7 +261,7 @@ class _Planner:
         lhs, rhs = call.args
         if not isinstance(lhs, relax.Var):
             return None
-        w = _const_value(rhs, self.var2val)
+        w = constant_value(rhs, self.var2val)
         out_shape = shape_dims(var)
         if w is None or w.ndim < 2 or out_shape is None or shape_dims(lhs) is None:
             return None
@@ -319,7 +289,7 @@ class _Planner:
         out_layout = str(a.out_layout) or str(a.data_layout)
         o_axis = _layout_axis(str(a.kernel_layout), "O")
         c_axis = _layout_axis(out_layout, "C")
-        w = _const_value(rhs, self.var2val)
+        w = constant_value(rhs, self.var2val)
         out_shape = shape_dims(var)
         if o_axis is None or c_axis is None or w is None or w.ndim != 4 or out_shape is None:
             return None
@@ -386,7 +356,7 @@ class _Planner:
         other = b if a.same_as(br.call_var) else a if b.same_as(br.call_var) else None
         if other is None or other.same_as(br.call_var):
             return None
-        bias = _const_value(other, self.var2val)
+        bias = constant_value(other, self.var2val)
         if bias is None or str(bias.dtype) != dtype_of(br.call_var):
             return None
         if shape_dims(add_binding.var) != shape_dims(br.call_var):
@@ -698,6 +668,6 @@ def _source_kind(var, var2val) -> str | None:
             return "elementwise"
     if op_name(src) == _ADD:
         a, b = src.args
-        inner = a if isinstance(a, relax.Var) and _is_const(b) else b
+        inner = a if isinstance(a, relax.Var) and is_constant(b) else b
         src = var2val.get(inner) if isinstance(inner, relax.Var) else None
     return {_MATMUL: "matmul", _CONV2D: "conv2d"}.get(op_name(src))

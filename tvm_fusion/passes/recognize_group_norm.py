@@ -25,7 +25,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import BindingChain, constant_value, op_name, replace_matches, static_shape
+from ..ir import BindingChain, constant_value, op_name, replace_matches, scalar_value, static_shape
 
 __all__ = ["RecognizeGroupNorm"]
 
@@ -68,8 +68,8 @@ def _normalized(chain: _Chain, div_var):
     mean = chain.call(sub.args[1], "mean")
     add = chain.call(sqrt.args[0], "add")
     var = chain.call(add.args[0], "variance") if add is not None else None
-    eps = constant_value(add.args[1], chain.var2val) if add is not None else None
-    if mean is None or var is None or eps is None or eps.size != 1:
+    eps = scalar_value(add.args[1], chain.var2val) if add is not None else None
+    if mean is None or var is None or eps is None:
         return None
     if not (mean.args[0].same_as(r) and var.args[0].same_as(r)):
         return None
@@ -84,7 +84,7 @@ def _normalized(chain: _Chain, div_var):
     inner = [div.args[0], div.args[1], sub.args[1], sqrt.args[0], add.args[0]]
     if any(chain.uses.get(v, 0) != 1 for v in inner):
         return None
-    return r, float(eps.reshape(()))
+    return r, eps
 
 
 def _channel_values(value: np.ndarray, size: int, rank: int, channels: int):

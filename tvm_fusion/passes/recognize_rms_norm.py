@@ -23,7 +23,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import BindingChain, constant_value, replace_matches, static_shape
+from ..ir import BindingChain, constant_value, replace_matches, scalar_value, static_shape
 
 __all__ = ["RecognizeRMSNorm"]
 
@@ -33,10 +33,6 @@ def _other(call: relax.Call, var) -> relax.Expr | None:
     if call.args[0].same_as(var):
         return call.args[1]
     return call.args[0] if call.args[1].same_as(var) else None
-
-
-def _is_scalar(value: np.ndarray | None, number: float | None = None) -> bool:
-    return value is not None and value.size == 1 and (number is None or float(value.reshape(())) == number)
 
 
 def _scaled_by_inverse_rms(chain: BindingChain, x, mean_eps):
@@ -52,7 +48,7 @@ def _scaled_by_inverse_rms(chain: BindingChain, x, mean_eps):
             return None
         if divide.args[0].same_as(x):  # x / sqrt(m)
             return after
-        if not _is_scalar(constant_value(divide.args[0], chain.var2val), 1.0):
+        if scalar_value(divide.args[0], chain.var2val) != 1.0:
             return None
         inverse = after  # 1 / sqrt(m)
     else:
@@ -81,8 +77,8 @@ def _match(chain: BindingChain, mean_var, max_row: int | None = None):
         return None
     add_var = chain.only_user(mean_var)
     add = chain.call(add_var, "add")
-    eps = constant_value(_other(add, mean_var), chain.var2val) if add is not None else None
-    if eps is None or not _is_scalar(eps):
+    eps = scalar_value(_other(add, mean_var), chain.var2val) if add is not None else None
+    if eps is None:
         return None
     y = _scaled_by_inverse_rms(chain, x, add_var)
     if y is None or static_shape(y) != shape:
@@ -97,7 +93,7 @@ def _match(chain: BindingChain, mean_var, max_row: int | None = None):
     per_feature = value is not None and value.shape[-1:] == (shape[-1],) and value.size == shape[-1]
     if per_feature and static_shape(scale_var) == shape:  # a weight [D] or [1, .., D]
         weight, y = value.astype("float32").reshape(-1), scale_var
-    call = relax.op.nn.rms_norm(x, relax.const(weight), axes=[-1], epsilon=float(eps.reshape(())))
+    call = relax.op.nn.rms_norm(x, relax.const(weight), axes=[-1], epsilon=eps)
     return y, call
 
 
