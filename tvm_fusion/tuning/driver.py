@@ -285,38 +285,8 @@ def tune(
         bar = progress_bar(remaining if deadline is None else None, progress and remaining > 0)
         search = TaskSearch(rset, search_target, builder, runner, settings, bar, stop, on_batch)
         search.budget_end = deadline
-        weights = [_task_cost(t) for t in tasks]
         try:
-            searched = 0
-            for i, (task, summary) in enumerate(zip(tasks, summaries)):
-                if summary.done:
-                    continue
-                stop.check()
-                task_deadline = None
-                if deadline is not None:
-                    reserve = _verify_reserve_s(search, check_default)
-                    task_deadline = _task_deadline(deadline, reserve, searched, i, summaries, weights)
-                    if task_deadline is None:
-                        summary.out_of_time = True
-                        continue
-                load_tensor_intrinsics()  # TuneContext imports them; only when there is work
-                searched += 1
-                try:
-                    search.run(task, summary, f"{i + 1}/{len(tasks)}", task_deadline)
-                except (OSError, TvmFusionError):
-                    raise  # the record folder itself (disk full, unwritable): every task would fail
-                except Exception as err:  # one task's search failing must not end the others'
-                    summary.search_error = f"{type(err).__name__}: {last_line(err)}"
-                    say(f"{summary.name}: the search failed ({summary.search_error}); the next task goes on")
-                if on_task_done is not None:
-                    on_task_done(summary)
-            if any(s.out_of_time for s in summaries):
-                late = [s.name for s in summaries if s.out_of_time]
-                say(
-                    f"the time budget ran out before {len(late)} task(s) were searched ({', '.join(late[:5])}"
-                    f"{', ...' if len(late) > 5 else ''}): they keep their default schedules; tune again "
-                    "(with more --minutes) to go on where this run stopped"
-                )
+            _search_tasks(search, tasks, summaries, deadline, check_default, on_task_done, say)
             bar.close()
             if check_default:
                 tuned = [(t, s) for t, s in zip(tasks, summaries) if s.best_us is not None]
@@ -364,6 +334,43 @@ def tune(
         messages=messages,
         time_budget_s=time_budget_s,
     )
+
+
+def _search_tasks(search: TaskSearch, tasks, summaries, deadline, check_default, on_task_done, say) -> None:
+    """Search each task not yet at its budget, in order; with a ``deadline``, each gets its share
+    of the time left (:func:`_task_deadline`) and those left without one are marked out of time.
+    One task's search failing is reported and the next goes on."""
+    weights = [_task_cost(t) for t in tasks]
+    searched = 0
+    for i, (task, summary) in enumerate(zip(tasks, summaries)):
+        if summary.done:
+            continue
+        search.stop.check()
+        task_deadline = None
+        if deadline is not None:
+            reserve = _verify_reserve_s(search, check_default)
+            task_deadline = _task_deadline(deadline, reserve, searched, i, summaries, weights)
+            if task_deadline is None:
+                summary.out_of_time = True
+                continue
+        load_tensor_intrinsics()  # TuneContext imports them; only when there is work
+        searched += 1
+        try:
+            search.run(task, summary, f"{i + 1}/{len(tasks)}", task_deadline)
+        except (OSError, TvmFusionError):
+            raise  # the record folder itself (disk full, unwritable): every task would fail
+        except Exception as err:  # one task's search failing must not end the others'
+            summary.search_error = f"{type(err).__name__}: {last_line(err)}"
+            say(f"{summary.name}: the search failed ({summary.search_error}); the next task goes on")
+        if on_task_done is not None:
+            on_task_done(summary)
+    late = [s.name for s in summaries if s.out_of_time]
+    if late:
+        say(
+            f"the time budget ran out before {len(late)} task(s) were searched ({', '.join(late[:5])}"
+            f"{', ...' if len(late) > 5 else ''}): they keep their default schedules; tune again "
+            "(with more --minutes) to go on where this run stopped"
+        )
 
 
 def _tasks_with_alternatives(mod: tvm.IRModule, alternatives: list, target) -> tuple[list, int]:
