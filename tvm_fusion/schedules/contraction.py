@@ -44,6 +44,7 @@ Schedule (classic CPU GEMM micro-kernel, chosen by a small cost model over the a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import tvm
@@ -133,40 +134,44 @@ class Contraction(CpuRule):
             return None
         sch, infos = opened
         knobs = self.last_knobs = Knobs(self.knobs, tunable)
-        reductions = [b for b in infos if not b.is_injective()]
-        # pointwise convs: inline the input copy (and a concat in front), then GEMM over the
-        # flattened H*W plane (plane.py)
-        if len(reductions) == 1 and inline_plain_copies(sch, reductions[0].block_rv, MAX_PIECE_COPIES):
-            infos = normalize_prim_func(sch)
-            reductions = [b for b in infos if not b.is_injective()]
-        if len(reductions) == 1 and flatten_plane(sch, reductions[0]):
-            infos = normalize_prim_func(sch)
-            reductions = [b for b in infos if not b.is_injective()]
-        if len(reductions) == 1:
-            main_info = reductions[0]
-        else:
-            # layer_norm / rms_norm / softmax fused in front of a GEMM: the row reductions become their
-            # own parallel stage (see schedule_row_prologue), the GEMM gets the micro-kernel
-            main_info = _prologue_contraction(sch, reductions)
-            if main_info is None:
-                return None
-        kinds = main_info.dom_kind()
-        if set(kinds) - {"S", "R"} or "R" not in kinds or "S" not in kinds:
+        found = _main_block(sch, infos)
+        if found is None:
             return None
-        if any(not isinstance(it.dom, int) for it in main_info.iters if it.kind == "R"):
-            return None  # a symbolic reduction goes to the fallback
-        # symbolic spatial iters (a dynamic batch / sequence length) stay outer loops of the
-        # tile: the micro-kernel's vector and row iters are chosen among the static ones
-        main = main_info.block_rv
-        stmt = sch.get(main)
-        if stmt.init is None or len(stmt.writes) != 1:
-            return None
-        out_buf = stmt.writes[0].source
-        reads = [r for r in stmt.reads if not r.source.same_as(out_buf)]
-        if not reads:
-            return None
+        main_info, n_reductions = found
         layout_free = layout_free_params(func) if self.prepack else set()
+        plan = self._choose_plan(sch, knobs, main_info, layout_free, target)
+        if plan is None:
+            return None
+        padded = {}  # the constant weights pad_einsum padded: their copies become the packing
+        if plan[0].dom % plan[1]:
+            main_info, plan, padded = _pad_to_whole_vectors(sch, main_info, plan, layout_free)
+        main = main_info.block_rv
+        planned = sch.get(main)  # the block as planned: its operands before packing
+        self._inline_around(sch, main)
+        if self.prepack:  # before tiling: the index map is written on block vars
+            self._pack_weights(sch, main, layout_free, *plan, padded)
+        tiling = _tile(sch, knobs, main_info, planned, plan, layout_free, target)
+        acc_consumer = _place_accumulator(sch, knobs, func, main_info, planned, plan, tiling)
+        init = _finish_micro_kernel(sch, main, tiling)
+        if tiling.blocking is None:
+            self._schedule_tile_epilogue(
+                sch, acc_consumer, target, sch.get(main).writes[0].source, tiling.fused
+            )
+        else:  # the epilogue covers the task's whole region: vectorized, not unrolled
+            schedule_injective_block(sch, acc_consumer, target, parallel=False)
 
+        handled = {sch.get(b).name_hint for b in (main, init, acc_consumer)}
+        for name in tiling.task_producers:
+            _compute_in_task(sch, sch.get_sblock(name), tiling.task_loop)
+            handled.add(name)
+        _schedule_root_stages(sch, main, n_reductions > 1, handled, target)
+        return sch
+
+    def _choose_plan(self, sch, knobs, main_info, layout_free, target):
+        """``(vector iter, vector tile, row iter, row tile)``: the cost model's ranked plans, the
+        ``plan`` knob picking among them (the best first); None when there is none."""
+        stmt = sch.get(main_info.block_rv)
+        out_buf, reads = _operands(stmt)
         plans = rank_plans(main_info, stmt, reads, layout_free, target, str(out_buf.dtype), self.max_rows)
         if not plans:
             return None
@@ -182,154 +187,7 @@ class Contraction(CpuRule):
             rt,
             cost,
         )
-
-        # ---- pad the vector iter to whole vectors (see contraction_plan.rank_plans) -----------
-        padded = {}  # the constant weights pad_einsum padded: their copies become the packing
-        if v_it.dom % vt:
-            v_pos = main_info.iters.index(v_it)
-            row_pos = None if row_it is None else main_info.iters.index(row_it)
-            sch.pad_einsum(main, [vt if i == v_pos else 1 for i in range(len(main_info.iters))])
-            main_info = next(b for b in normalize_prim_func(sch) if b.name == stmt.name_hint)
-            main = main_info.block_rv
-            stmt = sch.get(main)
-            out_buf = stmt.writes[0].source
-            reads = [r for r in stmt.reads if not r.source.same_as(out_buf)]
-            v_it = main_info.iters[v_pos]
-            row_it = None if row_pos is None else main_info.iters[row_pos]
-            padded = padded_weights(sch, main, layout_free)
-
-        # ---- inline everything that is not a direct producer of the main block -------------------
-        self._inline_around(sch, main)
-
-        # ---- pack constant weights (before tiling: the index map is written on block vars) ------
-        if self.prepack:
-            self._pack_weights(sch, main, layout_free, v_it, vt, row_it, rt, padded)
-
-        # ---- tile ----------------------------------------------------------------------------
-        small = single_threaded([int_extent(sch, it.loop_rv) for it in main_info.iters])
-        s_iters = [it for it in main_info.iters if it.kind == "S"]
-        r_loops, piece_loops, piece_step = _split_at_pieces(sch, main_info)
-        v_o, v_i = sch.split(v_it.loop_rv, factors=[None, vt])
-        row_o = row_i = None
-        if row_it is not None:
-            row_o, row_i = sch.split(row_it.loop_rv, factors=[None, rt])
-        # spatial outer loops in original order, with the vector tile's outer loop taking the first
-        # of the two slots: the weight panel of one vector tile is then reused across all rows.
-        slots = tile_slots(main_info, v_it, row_it)
-        outer = []
-        for i, it in enumerate(s_iters):
-            if i in slots:
-                outer.append(v_o if i == slots[0] else row_o)
-            else:
-                outer.append(it.loop_rv)
-        lanes = vector_lanes(target, str(out_buf.dtype))
-        v_m = None
-        if vt > lanes and vt % lanes == 0:
-            # one SIMD register per vector op: LLVM turns wider (e.g. <24 x float>) accumulators
-            # into shuffles and spills
-            v_m, v_i = sch.split(v_i, factors=[None, lanes])
-        inner = ([row_i] if row_i is not None else []) + ([v_m] if v_m is not None else []) + [v_i]
-        blocking = None
-        if CACHE_BLOCKING and not small:
-            options = _blocking_options(main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target)
-            blocking = options[knobs.choose(sch, "block", len(options))]
-            if blocking is not None and piece_step is not None and piece_step % blocking[1]:
-                # chunks must not straddle the pieces: the largest divisor of their step below it
-                chunk = divisors_upto(piece_step, blocking[1])[-1]
-                blocking = (blocking[0], chunk) if chunk >= contraction_plan.MIN_CHUNK_STEPS else None
-        task_local = None
-        if blocking is None and not small:
-            task_local = _task_local_plan(sch, main_info, stmt, v_it, row_it, rt, vt, slots, target)
-            if task_local is not None and knobs.choose(sch, "inputs", 2):
-                task_local = None
-        task_loop = None
-        if task_local is not None:
-            producers, n_par, order = task_local
-            ordered = [outer[i] for i in order]
-            sch.reorder(*ordered, *r_loops, *inner)
-            task_loop = sch.fuse(*ordered[:n_par]) if n_par > 1 else ordered[0]
-            rest = ordered[n_par:]
-            fused = sch.fuse(*rest) if len(rest) > 1 else rest[0]
-            init_at = r_loops[0]
-            sch.parallel(task_loop)
-        elif blocking is None:
-            sch.reorder(*outer, *r_loops, *inner)
-            fused = sch.fuse(*outer)
-            init_at = r_loops[0]
-        else:
-            n_par, chunk = blocking
-            logger.debug(
-                "Contraction %s: %d parallel loops, reduction chunk %d", stmt.name_hint, n_par, chunk
-            )
-            # (the loop over a fused concat's pieces, if any, outside the chunks)
-            pieces = r_loops[:1] if piece_step is not None else []
-            first, rest = r_loops[len(pieces)], r_loops[len(pieces) + 1 :]
-            k_o, k_i = sch.split(first, factors=[None, chunk])
-            sch.reorder(*outer[:n_par], *pieces, k_o, *outer[n_par:], k_i, *rest, *inner)
-            fused = sch.fuse(*outer[:n_par]) if n_par > 1 else outer[0]
-            init_at = pieces[0] if pieces else k_o
-        fused_extent = int_extent(sch, fused)
-        if task_loop is None and (fused_extent is None or fused_extent > 1) and not small:
-            sch.parallel(fused)
-
-        # ---- accumulator tile in registers + epilogue right after the tile -------------------
-        consumers = sch.get_consumers(main)
-        epilogue = None
-        if (
-            len(consumers) == 1
-            and not _writes_param(sch, main, func)
-            and not _expands(sch, main, consumers[0])
-        ):
-            epilogue = consumers[0]
-            if not reverse_compute_within(sch, epilogue, main, fused):
-                epilogue = None
-        if blocking is not None:
-            acc_scope = "global"  # the whole task's accumulators, persisting across chunks
-        else:
-            acc_scope = _accumulator_scopes(main_info, row_it, rt, vt, lanes)[knobs.choose(sch, "acc", 2)]
-        if epilogue is not None:
-            if acc_scope == "local":
-                sch.set_scope(main, 0, "local")
-            acc_consumer = epilogue
-        else:
-            wb = sch.cache_write(main, 0, acc_scope)
-            sch.reverse_compute_at(wb, fused)
-            acc_consumer = wb
-        # accumulator layout [.., rows, vt]: v's output dim last, so the micro-kernel's
-        # vectorized accesses to it are contiguous (and LLVM keeps it in registers)
-        v_dim = out_dim_of(stmt.writes[0], v_it.var)
-        ndim = len(stmt.writes[0].region)
-        if v_dim is not None and v_dim != ndim - 1:
-            perm = [d for d in range(ndim) if d != v_dim] + [v_dim]
-            sch.transform_layout(
-                main,
-                ("write", 0),
-                tirx.IndexMap.from_func(
-                    lambda *i: [i[d] for d in perm], ndim=ndim, index_dtype=_idx_dtype(stmt)
-                ),
-            )
-        if row_i is not None:
-            sch.unroll(row_i)
-        if v_m is not None:
-            sch.unroll(v_m)
-        for loop in piece_loops:
-            sch.unroll(loop)
-        sch.vectorize(v_i)
-        init = sch.decompose_reduction(main, init_at)
-        init_loops = sch.get_loops(init)
-        try_primitive(sch.vectorize, init_loops[-1])
-        if blocking is None:
-            self._schedule_tile_epilogue(sch, acc_consumer, target, sch.get(main).writes[0].source, fused)
-        else:  # the epilogue covers the task's whole region: vectorized, not unrolled
-            schedule_injective_block(sch, acc_consumer, target, parallel=False)
-
-        handled = {sch.get(b).name_hint for b in (main, init, acc_consumer)}
-        if task_loop is not None:
-            for name in producers:
-                _compute_in_task(sch, sch.get_sblock(name), task_loop)
-                handled.add(name)
-        _schedule_root_stages(sch, main, len(reductions) > 1, handled, target)
-        return sch
+        return v_it, vt, row_it, rt
 
     # ------------------------------------------------------------------------------------------
 
@@ -472,6 +330,198 @@ class Contraction(CpuRule):
             if copies > MAX_EPILOGUE_UNROLL:
                 break
             try_primitive(sch.unroll, lp)
+
+
+def _operands(stmt) -> tuple:
+    """A contraction block's output buffer and the regions it reads other than that output."""
+    out_buf = stmt.writes[0].source
+    return out_buf, [r for r in stmt.reads if not r.source.same_as(out_buf)]
+
+
+def _main_block(sch, infos):
+    """``(contraction's block info, number of reduction blocks)``, or None when the function is
+    not one contraction with an injective prologue / epilogue (or a row-reduction prologue)."""
+    reductions = [b for b in infos if not b.is_injective()]
+    # pointwise convs: inline the input copy (and a concat in front), then GEMM over the
+    # flattened H*W plane (plane.py)
+    if len(reductions) == 1 and inline_plain_copies(sch, reductions[0].block_rv, MAX_PIECE_COPIES):
+        reductions = [b for b in normalize_prim_func(sch) if not b.is_injective()]
+    if len(reductions) == 1 and flatten_plane(sch, reductions[0]):
+        reductions = [b for b in normalize_prim_func(sch) if not b.is_injective()]
+    if len(reductions) == 1:
+        main_info = reductions[0]
+    else:
+        # layer_norm / rms_norm / softmax fused in front of a GEMM: the row reductions become their
+        # own parallel stage (see schedule_row_prologue), the GEMM gets the micro-kernel
+        main_info = _prologue_contraction(sch, reductions)
+        if main_info is None:
+            return None
+    kinds = main_info.dom_kind()
+    if set(kinds) - {"S", "R"} or "R" not in kinds or "S" not in kinds:
+        return None
+    if any(not isinstance(it.dom, int) for it in main_info.iters if it.kind == "R"):
+        return None  # a symbolic reduction goes to the fallback
+    # symbolic spatial iters (a dynamic batch / sequence length) stay outer loops of the
+    # tile: the micro-kernel's vector and row iters are chosen among the static ones
+    stmt = sch.get(main_info.block_rv)
+    if stmt.init is None or len(stmt.writes) != 1 or not _operands(stmt)[1]:
+        return None
+    return main_info, len(reductions)
+
+
+def _pad_to_whole_vectors(sch, main_info, plan, layout_free):
+    """``pad_einsum`` the vector iter to whole vector tiles (see ``contraction_plan.rank_plans``):
+    the block info and the plan on its new iters, and the constant weights it padded (padded copy
+    -> copying block: their copies become the packing)."""
+    v_it, vt, row_it, rt = plan
+    main = main_info.block_rv
+    name = sch.get(main).name_hint
+    v_pos = main_info.iters.index(v_it)
+    row_pos = None if row_it is None else main_info.iters.index(row_it)
+    sch.pad_einsum(main, [vt if i == v_pos else 1 for i in range(len(main_info.iters))])
+    main_info = next(b for b in normalize_prim_func(sch) if b.name == name)
+    plan = (main_info.iters[v_pos], vt, None if row_pos is None else main_info.iters[row_pos], rt)
+    return main_info, plan, padded_weights(sch, main_info.block_rv, layout_free)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+    """The loops ``_tile`` made around the micro-kernel."""
+
+    fused: object  # the loop over tiles (parallel unless small): accumulators and epilogue live in it
+    init_at: object  # the loop the accumulator init goes in front of
+    row_i: object | None  # the register rows (unrolled)
+    v_m: object | None  # one SIMD register each, when the vector tile is wider (unrolled)
+    v_i: object  # the SIMD lanes (vectorized)
+    piece_loops: list  # over a fused concat's pieces (unrolled)
+    lanes: int
+    blocking: tuple[int, int] | None  # (parallel loops, reduction chunk) when cache-blocked
+    task_loop: object | None  # the parallel task loop that computes a small conv's pads
+    task_producers: tuple[str, ...]  # those pads
+
+
+def _tile(sch, knobs, main_info, planned, plan, layout_free, target) -> _Tiling:
+    """Split the vector and row iters into the micro-kernel's tile and order the loops: outer
+    tiles (fused, parallel), reduction, rows, vectors. The reduction is cache-blocked where the
+    plan model says so (knob ``block``), else a small conv's pads may be computed in each task
+    (knob ``inputs``)."""
+    v_it, vt, row_it, rt = plan
+    small = single_threaded([int_extent(sch, it.loop_rv) for it in main_info.iters])
+    s_iters = [it for it in main_info.iters if it.kind == "S"]
+    r_loops, piece_loops, piece_step = _split_at_pieces(sch, main_info)
+    v_o, v_i = sch.split(v_it.loop_rv, factors=[None, vt])
+    row_o = row_i = None
+    if row_it is not None:
+        row_o, row_i = sch.split(row_it.loop_rv, factors=[None, rt])
+    # spatial outer loops in original order, with the vector tile's outer loop taking the first
+    # of the two slots: the weight panel of one vector tile is then reused across all rows.
+    slots = tile_slots(main_info, v_it, row_it)
+    outer = []
+    for i, it in enumerate(s_iters):
+        if i in slots:
+            outer.append(v_o if i == slots[0] else row_o)
+        else:
+            outer.append(it.loop_rv)
+    out_buf, reads = _operands(planned)
+    lanes = vector_lanes(target, str(out_buf.dtype))
+    v_m = None
+    if vt > lanes and vt % lanes == 0:
+        # one SIMD register per vector op: LLVM turns wider (e.g. <24 x float>) accumulators
+        # into shuffles and spills
+        v_m, v_i = sch.split(v_i, factors=[None, lanes])
+    inner = ([row_i] if row_i is not None else []) + ([v_m] if v_m is not None else []) + [v_i]
+    blocking = None
+    if CACHE_BLOCKING and not small:
+        options = _blocking_options(main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target)
+        blocking = options[knobs.choose(sch, "block", len(options))]
+        if blocking is not None and piece_step is not None and piece_step % blocking[1]:
+            # chunks must not straddle the pieces: the largest divisor of their step below it
+            chunk = divisors_upto(piece_step, blocking[1])[-1]
+            blocking = (blocking[0], chunk) if chunk >= contraction_plan.MIN_CHUNK_STEPS else None
+    task_local = None
+    if blocking is None and not small:
+        task_local = _task_local_plan(sch, main_info, planned, v_it, row_it, rt, vt, slots, target)
+        if task_local is not None and knobs.choose(sch, "inputs", 2):
+            task_local = None
+    task_loop, producers = None, ()
+    if task_local is not None:
+        producers, n_par, order = task_local
+        ordered = [outer[i] for i in order]
+        sch.reorder(*ordered, *r_loops, *inner)
+        task_loop = sch.fuse(*ordered[:n_par]) if n_par > 1 else ordered[0]
+        rest = ordered[n_par:]
+        fused = sch.fuse(*rest) if len(rest) > 1 else rest[0]
+        init_at = r_loops[0]
+        sch.parallel(task_loop)
+    elif blocking is None:
+        sch.reorder(*outer, *r_loops, *inner)
+        fused = sch.fuse(*outer)
+        init_at = r_loops[0]
+    else:
+        n_par, chunk = blocking
+        logger.debug("Contraction %s: %d parallel loops, reduction chunk %d", planned.name_hint, n_par, chunk)
+        # (the loop over a fused concat's pieces, if any, outside the chunks)
+        pieces = r_loops[:1] if piece_step is not None else []
+        first, rest = r_loops[len(pieces)], r_loops[len(pieces) + 1 :]
+        k_o, k_i = sch.split(first, factors=[None, chunk])
+        sch.reorder(*outer[:n_par], *pieces, k_o, *outer[n_par:], k_i, *rest, *inner)
+        fused = sch.fuse(*outer[:n_par]) if n_par > 1 else outer[0]
+        init_at = pieces[0] if pieces else k_o
+    fused_extent = int_extent(sch, fused)
+    if task_loop is None and (fused_extent is None or fused_extent > 1) and not small:
+        sch.parallel(fused)
+    return _Tiling(fused, init_at, row_i, v_m, v_i, piece_loops, lanes, blocking, task_loop, tuple(producers))
+
+
+def _place_accumulator(sch, knobs, func, main_info, planned, plan, tiling: _Tiling):
+    """Keep the accumulator tile in registers with the epilogue right after the tile (knob
+    ``acc``: a local tile or the intermediate), laid out ``[.., rows, vt]``; the block that
+    consumes the accumulators (the epilogue, else a write-back)."""
+    v_it, vt, row_it, rt = plan
+    main = main_info.block_rv
+    consumers = sch.get_consumers(main)
+    epilogue = None
+    if len(consumers) == 1 and not _writes_param(sch, main, func) and not _expands(sch, main, consumers[0]):
+        epilogue = consumers[0]
+        if not reverse_compute_within(sch, epilogue, main, tiling.fused):
+            epilogue = None
+    if tiling.blocking is not None:
+        acc_scope = "global"  # the whole task's accumulators, persisting across chunks
+    else:
+        acc_scope = _accumulator_scopes(main_info, row_it, rt, vt, tiling.lanes)[knobs.choose(sch, "acc", 2)]
+    if epilogue is not None:
+        if acc_scope == "local":
+            sch.set_scope(main, 0, "local")
+        acc_consumer = epilogue
+    else:
+        acc_consumer = sch.cache_write(main, 0, acc_scope)
+        sch.reverse_compute_at(acc_consumer, tiling.fused)
+    # accumulator layout [.., rows, vt]: v's output dim last, so the micro-kernel's
+    # vectorized accesses to it are contiguous (and LLVM keeps it in registers)
+    v_dim = out_dim_of(planned.writes[0], v_it.var)
+    ndim = len(planned.writes[0].region)
+    if v_dim is not None and v_dim != ndim - 1:
+        perm = [d for d in range(ndim) if d != v_dim] + [v_dim]
+        sch.transform_layout(
+            main,
+            ("write", 0),
+            tirx.IndexMap.from_func(
+                lambda *i: [i[d] for d in perm], ndim=ndim, index_dtype=_idx_dtype(planned)
+            ),
+        )
+    return acc_consumer
+
+
+def _finish_micro_kernel(sch, main, tiling: _Tiling):
+    """Unroll the register rows, the vectors and a concat's pieces, vectorize the lanes and split
+    off the accumulator init (vectorized); the init block."""
+    for loop in (tiling.row_i, tiling.v_m, *tiling.piece_loops):
+        if loop is not None:
+            sch.unroll(loop)
+    sch.vectorize(tiling.v_i)
+    init = sch.decompose_reduction(main, tiling.init_at)
+    try_primitive(sch.vectorize, sch.get_loops(init)[-1])
+    return init
 
 
 def _blocking_options(main_info, reads, layout_free, v_it, vt, row_it, rt, slots, target) -> list:
