@@ -1568,3 +1568,38 @@ def test_rows_along_a_sliding_window_leave_registers_for_their_broadcasts():
         np.testing.assert_allclose(
             run_relax(sched, [x], ZNVER4), _run(_fused(mod), [x]), rtol=1e-4, atol=1e-4
         )
+
+
+def _micro_kernel_rows_dim(func, block_name):
+    """The output dim the micro-kernel's register rows (its first unrolled loop) walk along."""
+    sch = s_tir.Schedule(func)
+    update = sch.get_sblock(block_name)
+    realize = get_sblock_realize(sch, update)
+    rows = next(sch.get(lp) for lp in sch.get_loops(update) if sch.get(lp).kind == tirx.ForKind.UNROLLED)
+    (row_var,) = [
+        iv.var
+        for iv, value in zip(realize.block.iter_vars, realize.iter_values)
+        if uses_var(value, rows.loop_var)
+    ]
+    (out,) = realize.block.writes
+    return next(d for d, rng in enumerate(out.region) if uses_var(rng.min, row_var))
+
+
+def test_nhwc_depthwise_conv_rows_run_along_w():
+    """ConvNeXt's 7x7 depthwise convs (channels-last, lanes on channels): rows along H and along W
+    cost the same in the plan model, and the tie went to H, whose rows are a whole image row apart
+    in memory. Rows along W walk it contiguously: alone, 4-8 % faster at all four of ConvNeXt-T's
+    shapes (96 ch at 56x56: 0.296 -> 0.284 ms), its 4x4/4 stem 0.219 -> 0.160."""
+    c = 96
+    w, b = _rand(c, 7, 7, 1, scale=0.1), _rand(1, 1, 1, c)
+
+    def body(bb, x):
+        y = relax.op.nn.conv2d(
+            x, relax.const(w), padding=3, groups=c, data_layout="NHWC", kernel_layout="OHWI"
+        )
+        return relax.op.add(bb.emit(y), relax.const(b))
+
+    mod = relax_main({"x": (1, 14, 14, c)}, body)
+    sched = _check(mod, [_rand(1, 14, 14, c)], rtol=1e-4, atol=1e-4)
+    (func,) = [f for n, f in _prim_funcs(sched).items() if "conv" in n]
+    assert _micro_kernel_rows_dim(func, "group_conv2d_nhwc_update") == 2  # W of [N, H, W, C]
