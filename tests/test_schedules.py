@@ -1571,11 +1571,14 @@ def test_rows_along_a_sliding_window_leave_registers_for_their_broadcasts():
 
 
 def _micro_kernel_rows_dim(func, block_name):
-    """The output dim the micro-kernel's register rows (its first unrolled loop) walk along."""
+    """The output dim the micro-kernel's register rows walk along: its first unrolled loop (the
+    rows are unrolled outside the vectors of a tile wider than one register)."""
     sch = s_tir.Schedule(func)
     update = sch.get_sblock(block_name)
     realize = get_sblock_realize(sch, update)
-    rows = next(sch.get(lp) for lp in sch.get_loops(update) if sch.get(lp).kind == tirx.ForKind.UNROLLED)
+    unrolled = [sch.get(lp) for lp in sch.get_loops(update) if sch.get(lp).kind == tirx.ForKind.UNROLLED]
+    assert unrolled, "no register rows"
+    rows = unrolled[0]
     (row_var,) = [
         iv.var
         for iv, value in zip(realize.block.iter_vars, realize.iter_values)

@@ -225,7 +225,8 @@ _MAX_LOOKUPS = 8  # vars and views followed from an expression to its constant
 
 
 def is_constant(expr) -> bool:
-    return isinstance(expr, tvm.ir.Constant)
+    """A Relax tensor constant (not a var bound to one)."""
+    return isinstance(expr, tvm.ir.GenericConst)
 
 
 def constant_value(expr, var2val=None, hidden=(), _depth: int = 0) -> np.ndarray | None:
@@ -234,7 +235,7 @@ def constant_value(expr, var2val=None, hidden=(), _depth: int = 0) -> np.ndarray
     InstanceNormalization's scale to ``[-1, 1]``, and ``FoldConstant`` may not have run yet).
     None for anything else, for vars in ``hidden`` (bindings being rewritten) and for payloads
     numpy cannot hold."""
-    if _depth > _MAX_LOOKUPS:
+    if _depth >= _MAX_LOOKUPS:
         return None
     if isinstance(expr, relax.Var):
         if expr in hidden:

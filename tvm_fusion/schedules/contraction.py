@@ -393,8 +393,8 @@ class _Tiling:
     row_i: object | None  # the register rows (unrolled)
     v_m: object | None  # one SIMD register each, when the vector tile is wider (unrolled)
     v_i: object  # the SIMD lanes (vectorized)
-    piece_loops: list  # over a fused concat's pieces (unrolled)
-    lanes: int
+    piece_loops: tuple  # over a fused concat's pieces (unrolled)
+    lanes: int  # SIMD lanes of the output dtype
     blocking: tuple[int, int] | None  # (parallel loops, reduction chunk) when cache-blocked
     task_loop: object | None  # the parallel task loop that computes a small conv's pads
     task_producers: tuple[str, ...]  # those pads
@@ -470,7 +470,9 @@ def _tile(sch, knobs, main_info, planned, plan, layout_free, target) -> _Tiling:
     fused_extent = int_extent(sch, fused)
     if task_loop is None and (fused_extent is None or fused_extent > 1) and not small:
         sch.parallel(fused)
-    return _Tiling(fused, init_at, row_i, v_m, v_i, piece_loops, lanes, blocking, task_loop, tuple(producers))
+    return _Tiling(
+        fused, init_at, row_i, v_m, v_i, tuple(piece_loops), lanes, blocking, task_loop, tuple(producers)
+    )
 
 
 def _place_accumulator(sch, knobs, func, main_info, planned, plan, tiling: _Tiling):

@@ -199,10 +199,11 @@ def rank_plans(main_info, stmt, reads, layout_free, target, dtype, max_rows: int
                     cost *= tile_imbalance(total, vt, rt, cores)
                     # ties: rows along the output's innermost dim the vector leaves (operands
                     # then walk memory with the smallest stride: an NHWC depthwise 7x7 conv with
-                    # channel lanes and rows along W ran 4-15 % faster than along H), then the
-                    # narrower vector (smaller packed panel)
-                    row_dim = out_dim_of(out_region, row_it.var) if row_it is not None else None
-                    key = (round(cost, 3), -acc, -(-1 if row_dim is None else row_dim), vt)
+                    # channel lanes and rows along W ran 4-8 % faster than along H), then the
+                    # narrower vector (smaller packed panel); a one-row plan has no rows
+                    row_dim = out_dim_of(out_region, row_it.var) if row_it is not None and rt > 1 else None
+                    rows_outward = 1 if row_dim is None else -row_dim
+                    key = (round(cost, 3), -acc, rows_outward, vt)
                     plan = (v_it, vt, row_it if rt > 1 else None, rt)
                     ranked[plan] = min(key, ranked.get(plan, key))
     order = sorted(ranked, key=lambda plan: (ranked[plan], s_iters.index(plan[0])))
