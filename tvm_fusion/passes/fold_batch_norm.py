@@ -47,14 +47,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import (
-    constant_value,
-    dtype_of,
-    graph_functions,
-    named_shape,
-    op_name,
-    with_functions,
-)
+from ..ir import constant_value, dtype_of, graph_functions, named_shape, op_name, with_functions
 
 __all__ = ["FoldBatchNorm"]
 
