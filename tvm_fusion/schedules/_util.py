@@ -73,6 +73,12 @@ def layout_free_params(func: tirx.PrimFunc) -> set:
     return {func.params[int(i)] for i in idx} if idx else set()
 
 
+def operand_reads(stmt) -> list:
+    """A reduction block's read regions other than its own output (the accumulator it reads back)."""
+    out = stmt.writes[0].source
+    return [r for r in stmt.reads if not r.source.same_as(out)]
+
+
 def access_class(region, var) -> str:
     """How a block iter var moves a buffer access: 'invariant', 'contiguous' (last dim, stride 1) or 'strided'."""
     ndim = len(region.region)

@@ -65,6 +65,7 @@ from ._util import (
     layout_free_params,
     logger,
     num_cores,
+    operand_reads,
     reachable_blocks,
     reverse_compute_within,
     safe_rule,
@@ -171,7 +172,7 @@ class Contraction(CpuRule):
         """``(vector iter, vector tile, row iter, row tile)``: the cost model's ranked plans, the
         ``plan`` knob picking among them (the best first); None when there is none."""
         stmt = sch.get(main_info.block_rv)
-        out_buf, reads = _operands(stmt)
+        out_buf, reads = stmt.writes[0].source, operand_reads(stmt)
         plans = rank_plans(main_info, stmt, reads, layout_free, target, str(out_buf.dtype), self.max_rows)
         if not plans:
             return None
@@ -332,12 +333,6 @@ class Contraction(CpuRule):
             try_primitive(sch.unroll, lp)
 
 
-def _operands(stmt) -> tuple:
-    """A contraction block's output buffer and the regions it reads other than that output."""
-    out_buf = stmt.writes[0].source
-    return out_buf, [r for r in stmt.reads if not r.source.same_as(out_buf)]
-
-
 def _main_block(sch, infos):
     """``(contraction's block info, number of reduction blocks)``, or None when the function is
     not one contraction with an injective prologue / epilogue (or a row-reduction prologue)."""
@@ -364,7 +359,7 @@ def _main_block(sch, infos):
     # symbolic spatial iters (a dynamic batch / sequence length) stay outer loops of the
     # tile: the micro-kernel's vector and row iters are chosen among the static ones
     stmt = sch.get(main_info.block_rv)
-    if stmt.init is None or len(stmt.writes) != 1 or not _operands(stmt)[1]:
+    if stmt.init is None or len(stmt.writes) != 1 or not operand_reads(stmt):
         return None
     return main_info, len(reductions)
 
@@ -422,7 +417,7 @@ def _tile(sch, knobs, main_info, planned, plan, layout_free, target) -> _Tiling:
             outer.append(v_o if i == slots[0] else row_o)
         else:
             outer.append(it.loop_rv)
-    out_buf, reads = _operands(planned)
+    out_buf, reads = planned.writes[0].source, operand_reads(planned)
     lanes = vector_lanes(target, str(out_buf.dtype))
     v_m = None
     if vt > lanes and vt % lanes == 0:

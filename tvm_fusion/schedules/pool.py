@@ -22,6 +22,7 @@ from tvm.target import Target
 from ._util import (
     CpuRule,
     layout_free_params,
+    operand_reads,
     reverse_compute_within,
     safe_rule,
     schedule_injective_block,
@@ -85,7 +86,7 @@ def _columns_inside_window(sch, block, n_reduce: int) -> bool:
     moved. Strided NCHW windows keep their columns outside (a vector would gather)."""
     stmt = sch.get(block)
     column = stmt.iter_vars[-n_reduce - 1].var
-    source = [r for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)][0]
+    source = operand_reads(stmt)[0]
     coeffs = detect_linear_equation(source.region[-1].min, [column])
     if len(coeffs) != 2 or not isinstance(coeffs[0], tirx.IntImm) or int(coeffs[0]) != 1:
         return False
@@ -104,9 +105,7 @@ def _is_window(sch, info, func) -> bool:
         return False
     if not 2 <= math.prod(info.dom()[n_spatial:]) <= MAX_WINDOW:
         return False
-    stmt = sch.get(info.block_rv)
-    out = stmt.writes[0].source
-    reads = [r for r in stmt.reads if not r.source.same_as(out)]
+    reads = operand_reads(sch.get(info.block_rv))
     if len({r.source for r in reads}) != 1 or reads[0].source in layout_free_params(func):
         return False
     # a window slides: some input index mixes an output position with a window offset (oh*2 + kh);
