@@ -16,7 +16,7 @@ from tvm import relax
 from . import models
 from .errors import ModelLoadError, TvmFusionError, UnsupportedOpError, last_line
 from .onnx_fold_pads import fold_pads_into_convs
-from .onnx_import import from_onnx
+from .onnx_import import from_onnx, supported_ops
 from .onnx_prepare import default_opset, prepare_onnx
 
 # The Relax ONNX frontend implements converters back to opset 1 for most ops, but models older
@@ -181,10 +181,8 @@ def import_onnx(source, name: str | None = None) -> ImportedModel:
 
 
 def _supported_ops() -> set[str] | None:
-    try:  # private in TVM, so degrade to "let the frontend decide" if it moves
-        from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
-
-        return set(_get_convert_map()) | {"Constant", "If"}
+    try:  # the frontend's table is private in TVM, so degrade to "let the frontend decide" if it moves
+        return supported_ops()
     except Exception:  # pragma: no cover
         return None
 

@@ -19,6 +19,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as frontend
 
 from .errors import UnsupportedOpError, last_line
+from .onnx_dft import DFT
 from .onnx_prepare import default_opset
 
 
@@ -87,8 +88,14 @@ def _static_extent(data, axis: int) -> int | None:
 
 CONVERTERS: dict[str, type[frontend.OnnxOpConverter]] = {
     "ConstantOfShape": ConstantOfShape,
+    "DFT": DFT,
     "Gather": Gather,
 }
+
+
+def supported_ops() -> set[str]:
+    """The ONNX ops (default domain) this importer converts: the frontend's and ours."""
+    return set(frontend._get_convert_map()) | set(CONVERTERS) | {"Constant", "If"}
 
 
 class _Importer(frontend.ONNXGraphImporter):
@@ -102,6 +109,12 @@ class _Importer(frontend.ONNXGraphImporter):
         if isinstance(value_proto, onnx.NodeProto):
             self._node = value_proto
         return super()._parse_value_proto(value_proto)
+
+    def _check_for_unsupported_ops(self, graph):
+        # the frontend's check knows only its own table; ``frontend.check_model`` names the node
+        unsupported = sorted({node.op_type for node in graph.node} - supported_ops())
+        if unsupported:
+            raise tvm.error.OpNotImplemented(f"ONNX operators not supported: {', '.join(unsupported)}")
 
     def _convert_operator(self, op_name, inputs, attrs, opset):
         converter = CONVERTERS.get(op_name)

@@ -1,0 +1,118 @@
+"""ONNX ``DFT`` as one matmul with a constant DFT matrix (the Relax ONNX frontend has no ``DFT``).
+
+The torch exporters write ``torch.fft`` calls (FNet's token mixing, spectral layers) as ``DFT``
+nodes: real or complex signals, complex written as a trailing axis of 2 (real, imaginary). For a
+static transform length L the DFT along one axis is a matrix product, and with the complex axis
+interleaved into the contraction it is a single one: the signal axis moved next to the complex
+axis, flattened to ``[..., n·c]`` (c = 1 for a real signal, 2 for a complex one), times a
+``[n·c, 2K]`` matrix whose entries are the twiddles ``cos θ`` and ``±sin θ``, gives ``[..., K, 2]``.
+That is O(L²) multiply-adds per signal instead of an FFT's O(L log L), but it is a GEMM, which the
+Contraction rule schedules near the FMA peak (FNet's own TPU implementation does the same).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.frontend.onnx import onnx_frontend as frontend
+
+
+class DFT(frontend.OnnxOpConverter):
+    """``DFT`` (opset 17: ``axis`` attribute; opset 20: ``axis`` input) over a static axis."""
+
+    @classmethod
+    def _impl_v17(cls, bb, inputs, attr, params):
+        length = _constant_int(inputs[1] if len(inputs) > 1 else None, params, "dft_length")
+        return _dft(
+            bb, inputs[0], attr.get("axis", 1), length, attr.get("inverse", 0), attr.get("onesided", 0)
+        )
+
+    @classmethod
+    def _impl_v20(cls, bb, inputs, attr, params):
+        length = _constant_int(inputs[1] if len(inputs) > 1 else None, params, "dft_length")
+        axis = _constant_int(inputs[2] if len(inputs) > 2 else None, params, "axis")
+        return _dft(
+            bb,
+            inputs[0],
+            -2 if axis is None else axis,
+            length,
+            attr.get("inverse", 0),
+            attr.get("onesided", 0),
+        )
+
+
+def _constant_int(value, params, what: str) -> int | None:
+    """An optional scalar input that must be a constant (None when absent)."""
+    if value is None:
+        return None
+    value = frontend.get_constant(value, params)
+    if not isinstance(value, tvm.ir.GenericConst):
+        raise ValueError(f"DFT: {what} must be a constant, not computed at run time")
+    return int(value.value.numpy().reshape(-1)[0])
+
+
+def dft_matrix(n: int, length: int, bins: int, complex_input: bool, inverse: bool) -> np.ndarray:
+    """``[n·c, 2·bins]``: row ``j·c + p`` (p: real, imaginary part of input sample j) to column
+    ``2k + q`` (q: real, imaginary part of bin k). Samples past ``length`` are not read; ``n`` below
+    ``length`` is zero padding, which drops rows. Built in float64; ``θ = 2π (j·k mod L) / L``."""
+    j = np.arange(n)[:, None]
+    k = np.arange(bins)[None, :]
+    theta = 2 * np.pi * ((j * k) % length) / length
+    cos, sin = np.cos(theta), (1.0 if inverse else -1.0) * np.sin(theta)  # e^{±iθ} = cos + i·sin
+    c = 2 if complex_input else 1
+    w = np.zeros((n, c, bins, 2))
+    w[:, 0, :, 0], w[:, 0, :, 1] = cos, sin  # (a + ib)(cos + i·sin): real a·cos − b·sin
+    if complex_input:
+        w[:, 1, :, 0], w[:, 1, :, 1] = -sin, cos  # imaginary a·sin + b·cos
+    if inverse:
+        w /= length
+    return w.reshape(n * c, bins * 2)
+
+
+def _dft(bb: relax.BlockBuilder, data, axis: int, length: int | None, inverse: int, onesided: int):
+    shape = _static_rank_shape(data)
+    rank = len(shape)
+    if axis < 0:
+        axis += rank
+    if not 0 <= axis <= rank - 2:
+        raise ValueError(f"DFT: axis {axis} is outside the signal axes of a rank-{rank} input")
+    c, n = _int(shape[-1]), _int(shape[axis])
+    if c not in (1, 2) or n is None:
+        raise ValueError(
+            f"DFT: needs a static length along axis {axis} and a last axis of 1 (real) or 2 (complex); "
+            f"the input's shape is {list(shape)}"
+        )
+    if inverse and onesided:
+        raise ValueError("DFT: an inverse one-sided transform (irfft) is not supported")
+    length = n if length is None else length
+    if length < 1:
+        raise ValueError(f"DFT: dft_length {length} must be positive")
+    if length < n:  # the signal is truncated to its first `length` samples
+        data = bb.normalize(relax.op.strided_slice(data, axes=[axis], begin=[0], end=[length]))
+        n = length
+    bins = length // 2 + 1 if onesided else length
+    # the signal axis next to the complex axis, both flattened into the contraction
+    order = [d for d in range(rank - 1) if d != axis] + [axis, rank - 1]
+    moved = data if axis == rank - 2 else bb.normalize(relax.op.permute_dims(data, order))
+    lead = [shape[d] for d in order[:-2]]
+    flat = relax.op.reshape(moved, lead + [n * c])
+    dtype = str(data.ty.dtype)
+    matrix = relax.const(dft_matrix(n, length, bins, c == 2, bool(inverse)).astype(dtype), dtype)
+    out = relax.op.reshape(relax.op.matmul(flat, matrix), lead + [bins, 2])
+    if axis == rank - 2:
+        return out
+    return relax.op.permute_dims(out, [int(i) for i in np.argsort(order)])
+
+
+def _static_rank_shape(data) -> list:
+    ty = getattr(data, "ty", None)
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        raise ValueError("DFT: the input's rank and shape must be known at import")
+    if not str(ty.dtype).startswith("float"):
+        raise ValueError(f"DFT: a {ty.dtype} input is not supported (float only)")
+    return list(ty.shape.values)
+
+
+def _int(dim) -> int | None:
+    return int(dim) if isinstance(dim, tvm.tirx.IntImm) else None
