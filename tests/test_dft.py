@@ -5,14 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from conftest import ort_run, rel_err, run_executable
+from conftest import HAS_GPU, ort_run, rel_err, run_executable
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 import tvm_fusion
 from tvm_fusion.frontend import import_onnx
+from tvm_fusion.ir import op_calls
 from tvm_fusion.onnx_dft import dft_matrix
 from tvm_fusion.onnx_import import ImportNodeError
+from tvm_fusion.passes import SliceBeforeLayoutOps
 
 
 def dft_model(shape, axis, length=None, inverse=0, onesided=0, opset=20):
@@ -76,9 +78,10 @@ def test_dft_matrix_is_numpys_fft_over_interleaved_parts(complex_input):
         np.testing.assert_allclose(got[0::2] + 1j * got[1::2], expected, atol=1e-12)
 
 
-def test_fnet_fourier_mixing_is_two_gemms_and_matches_ort(cpu_target):
-    """FNet's ``fft.fftn(x, dim=(1, 2)).real`` as the dynamo exporter writes it: the real input
-    made complex with zeros, a DFT over the tokens, one over the hidden axis, the real part."""
+def fnet_mixing():
+    """FNet's ``fft.fftn(x, dim=(1, 2)).real`` plus its residual, as the dynamo exporter writes it:
+    the real input made complex with zeros, a DFT over the tokens, one over the hidden axis, the
+    real part."""
     zeros = numpy_helper.from_array(np.zeros((1, 24, 32, 1), np.float32), "zeros")
     axes = [numpy_helper.from_array(np.array(a, np.int64), f"axis{a}") for a in (1, 2)]
     minus_one = numpy_helper.from_array(np.array([-1], np.int64), "minus_one")
@@ -98,7 +101,11 @@ def test_fnet_fourier_mixing_is_two_gemms_and_matches_ort(cpu_target):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 24, 32])],
         [zeros, *axes, minus_one, real],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+def test_fnet_fourier_mixing_is_two_gemms_and_matches_ort(cpu_target):
+    model = fnet_mixing()
     built, ours, ref = _built_and_ort(model, (1, 24, 32), cpu_target)
     assert rel_err(ours, ref) < 1e-5
     matmuls = [
@@ -107,6 +114,16 @@ def test_fnet_fourier_mixing_is_two_gemms_and_matches_ort(cpu_target):
         if isinstance(func, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint
     ]
     assert len(matmuls) == 2, matmuls
+    # the token DFT reads only the real part (the zeros are not multiplied): [24, 48], not [48, 48];
+    # of the hidden DFT only the real part is read: its matmul computes those columns, [64, 32]
+    mod = import_onnx(model).mod
+    assert _matmul_weights(mod) == [(24, 48), (64, 64)]
+    assert _matmul_weights(SliceBeforeLayoutOps()(mod)) == [(24, 48), (64, 32)]
+
+
+def _matmul_weights(mod) -> list[tuple]:
+    calls = op_calls(mod["main"], {"relax.matmul"})
+    return sorted(tuple(int(d) for d in call.args[1].ty.shape) for call in calls)
 
 
 def test_dft_length_computed_at_run_time_is_named():
@@ -131,3 +148,15 @@ def test_dft_imports_as_a_matmul_not_a_call_to_an_fft():
         lambda e: ops.add(e.op.name) if isinstance(e, relax.Call) and hasattr(e.op, "name") else None,
     )
     assert "relax.matmul" in ops
+
+
+def test_fnet_fourier_mixing_builds_and_exports_for_cuda(tmp_path):
+    model = fnet_mixing()
+    path = tvm_fusion.build(model, {"kind": "cuda", "arch": "sm_80"}, tuning_logs=None).export(
+        tmp_path / "fnet_mixing.so"
+    )
+    assert path.stat().st_size > 10_000
+    if HAS_GPU:  # numerics where a GPU is present
+        feeds = {"x": np.random.default_rng(3).standard_normal((1, 24, 32)).astype(np.float32)}
+        ours = tvm_fusion.load(path)(*feeds.values())
+        np.testing.assert_allclose(ours, ort_run(model, feeds), rtol=1e-4, atol=1e-5)

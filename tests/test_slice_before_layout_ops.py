@@ -72,8 +72,9 @@ def test_qkv_out_of_a_packed_projection_are_slices_of_it_and_nothing_is_transpos
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_take_that_reads_every_other_element_stays_a_take(cpu_target):
-    """``[4, 6] -> [4, 3, 2] -> transpose -> take(0)`` reads ``x[:, 0::2]``: no block of ``x``."""
+def test_a_take_that_reads_every_other_element_is_a_stepped_slice(cpu_target):
+    """``[4, 6] -> [4, 3, 2] -> transpose -> take(0)`` reads ``x[:, 0::2]``: a slice with a step,
+    and the transpose (a copy of all of ``x``) is left unread."""
     inits = [
         numpy_helper.from_array(np.array([4, 3, 2]), "pairs"),
         numpy_helper.from_array(np.array(0), "first"),
@@ -86,10 +87,46 @@ def test_a_take_that_reads_every_other_element_stays_a_take(cpu_target):
     model, feeds = _model(nodes, inits, ["y"], [4, 6])
     mod = relax.transform.FoldConstant()(import_onnx(model).mod)
     rewritten = SliceBeforeLayoutOps()(mod)
-    assert len(op_calls(rewritten["main"], {"relax.take"})) == 1
-    assert not op_calls(rewritten["main"], {"relax.strided_slice"})
+    assert not op_calls(rewritten["main"], {"relax.take", "relax.permute_dims"})
+    (call,) = op_calls(rewritten["main"], {"relax.strided_slice"})
+    assert [int(v) for arg in call.args[1:5] for v in arg] == [1, 0, 5, 2]  # axis, begin, end, step
     result = build(model, cpu_target, name="strided", tuning_logs=None)
     np.testing.assert_allclose(run_outputs(result.executable, feeds)[0], ort_outputs(model, feeds)[0])
+
+
+def interleaved_pairs(also_read_whole: bool):
+    """``matmul(x, w)`` by a constant ``w`` whose columns are (real, imaginary) pairs, viewed as
+    ``[..., 4, 2]``, and the real parts taken (an ONNX DFT then ``.real``); optionally the pairs
+    are an output too."""
+
+    def body(bb, x):
+        w = relax.const(np.random.default_rng(0).standard_normal((6, 8)).astype("float32"))
+        pairs = bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(x, w)), (3, 4, 2)))
+        real = relax.op.take(pairs, relax.const(0, "int64"), axis=2)
+        return relax.Tuple([bb.emit(real), pairs]) if also_read_whole else real
+
+    return relax_main({"x": (3, 6)}, body)
+
+
+def test_real_parts_of_a_matmul_by_a_constant_compute_only_those_columns():
+    mod = interleaved_pairs(also_read_whole=False)
+    rewritten = SliceBeforeLayoutOps()(mod)
+    assert not op_calls(rewritten["main"], {"relax.take", "relax.strided_slice"})
+    (matmul,) = op_calls(rewritten["main"], {"relax.matmul"})
+    assert [int(d) for d in matmul.args[1].ty.shape] == [6, 4]
+    data = np.random.default_rng(1).standard_normal((3, 6)).astype("float32")
+    np.testing.assert_allclose(run_outputs(rewritten, [data])[0], run_outputs(mod, [data])[0], rtol=1e-6)
+
+
+def test_a_matmul_read_elsewhere_too_is_computed_whole_and_sliced():
+    mod = interleaved_pairs(also_read_whole=True)
+    rewritten = SliceBeforeLayoutOps()(mod)
+    (matmul,) = op_calls(rewritten["main"], {"relax.matmul"})
+    assert [int(d) for d in matmul.args[1].ty.shape] == [6, 8]
+    assert op_calls(rewritten["main"], {"relax.strided_slice"})
+    data = np.random.default_rng(1).standard_normal((3, 6)).astype("float32")
+    for got, want in zip(run_outputs(rewritten, [data]), run_outputs(mod, [data])):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -97,7 +134,15 @@ def test_a_take_that_reads_every_other_element_stays_a_take(cpu_target):
     [
         ((4, 6), [lambda v: relax.op.reshape(v, (4, 2, 3))], 1, 1, "fast", (1, 3, 6)),  # x[:, 3:6]
         ((1, 3, 4), [relax.op.permute_dims], -1, 0, "wrap", (2, 3, 4)),  # reversed axes: x[:, :, 3]
-        ((2, 3, 4), [relax.op.permute_dims], -1, 0, "wrap", None),  # x[:, :, 3], but transposed
+        ((2, 3, 4), [relax.op.permute_dims], -1, 0, "wrap", (2, 3, 4)),  # x[:, :, 3], transposed
+        (
+            (3, 8),
+            [lambda v: relax.op.reshape(v, (3, 4, 2)), relax.op.permute_dims],
+            1,
+            0,
+            "fast",
+            (1, 1, 8),
+        ),  # x[:, 1::2], transposed
         (
             (3, 4),
             [lambda v: relax.op.expand_dims(v, 0), relax.op.squeeze],

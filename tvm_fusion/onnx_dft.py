@@ -17,6 +17,8 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as frontend
 
+from .ir import constant_value, op_name
+
 
 class DFT(frontend.OnnxOpConverter):
     """``DFT`` (opset 17: ``axis`` attribute; opset 20: ``axis`` input) over a static axis."""
@@ -77,6 +79,9 @@ def _dft(bb: relax.BlockBuilder, data, axis: int, length: int | None, inverse: i
         axis += rank
     if not 0 <= axis <= rank - 2:
         raise ValueError(f"DFT: axis {axis} is outside the signal axes of a rank-{rank} input")
+    real = _real_part_of_zero_imaginary(bb, data, rank)
+    if real is not None:  # half the contraction
+        data, shape = real, _static_rank_shape(real)
     c, n = _int(shape[-1]), _int(shape[axis])
     if c not in (1, 2) or n is None:
         raise ValueError(
@@ -103,6 +108,36 @@ def _dft(bb: relax.BlockBuilder, data, axis: int, length: int | None, inverse: i
     if axis == rank - 2:
         return out
     return relax.op.permute_dims(out, [int(i) for i in np.argsort(order)])
+
+
+def _real_part_of_zero_imaginary(bb: relax.BlockBuilder, data, rank: int):
+    """``x`` when ``data`` is ``concat([x, zeros], axis=-1)`` with ``x`` one wide on that axis: the
+    dynamo exporter makes a real signal complex that way before a complex DFT. Else None."""
+    value = bb.lookup_binding(data) if isinstance(data, relax.Var) else data  # the frontend passes calls
+    if (
+        op_name(value) != "relax.concat"
+        or value.attrs.axis is None
+        or int(value.attrs.axis) % rank != rank - 1
+    ):
+        return None
+    parts = value.args[0]
+    if not isinstance(parts, relax.Tuple) or len(parts.fields) != 2:
+        return None
+    real, imaginary = parts.fields
+    zeros = constant_value(imaginary, _Bindings(bb))
+    if zeros is None or np.any(zeros) or _int(_static_rank_shape(real)[-1]) != 1:
+        return None
+    return real
+
+
+class _Bindings:
+    """The block builder's bindings as the var -> value mapping ``ir.constant_value`` reads."""
+
+    def __init__(self, bb: relax.BlockBuilder):
+        self.bb = bb
+
+    def get(self, var):
+        return self.bb.lookup_binding(var) if isinstance(var, relax.Var) else None
 
 
 def _static_rank_shape(data) -> list:
