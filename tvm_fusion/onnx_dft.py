@@ -25,15 +25,15 @@ class DFT(frontend.OnnxOpConverter):
 
     @classmethod
     def _impl_v17(cls, bb, inputs, attr, params):
-        length = _constant_int(inputs[1] if len(inputs) > 1 else None, params, "dft_length")
+        length = _constant_int(inputs[1], params, "dft_length")  # absent inputs read as None
         return _dft(
             bb, inputs[0], attr.get("axis", 1), length, attr.get("inverse", 0), attr.get("onesided", 0)
         )
 
     @classmethod
     def _impl_v20(cls, bb, inputs, attr, params):
-        length = _constant_int(inputs[1] if len(inputs) > 1 else None, params, "dft_length")
-        axis = _constant_int(inputs[2] if len(inputs) > 2 else None, params, "axis")
+        length = _constant_int(inputs[1], params, "dft_length")
+        axis = _constant_int(inputs[2], params, "axis")
         return _dft(
             bb,
             inputs[0],

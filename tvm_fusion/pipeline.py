@@ -5,7 +5,9 @@ Order, and why:
 0. ``BindUnknownShapes``: a tensor whose shape depends on data (a slice with run-time bounds) gets
    symbolic dims, or FoldConstant and LegalizeOps cannot lower anything downstream of it.
    ``RemoveInferenceDropout``: an exported ``Dropout`` is its input (TVM would copy it and write
-   a mask of ones).
+   a mask of ones). ``RemoveEmptyTensors``: an empty operand of a ``concat`` (Phi-3's rotary
+   pass-through part when the rotary dimension is the whole head) is dropped and no kernel computes
+   an empty tensor (LLVM refuses to vectorize a loop of extent 0).
 1. ``FoldBatchNorm`` + ``FoldConstant``: BN disappears into conv/matmul weights before anything
    counts ops, so fusion and layout see the real compute graph. ``CanonicalizeBindings`` +
    ``FoldConstant``: a BatchNormalization of a constant (BiT's weight standardization) folds to a
@@ -88,6 +90,7 @@ from .passes import (
     PoolBeforePointwiseConv,
     RecognizeGroupNorm,
     RecognizeRMSNorm,
+    RemoveEmptyTensors,
     RemoveInferenceDropout,
     RewriteLayout,
     SimplifyPoolCeilMode,
@@ -160,7 +163,7 @@ def pipeline_stages(
     register_legalizations()  # LegalizeOps below lowers NCHW{c} convs and GELU our way
     horizontal = policy.horizontal if horizontal is None else horizontal
     attention = policy.attention if attention is None else attention
-    rewrite: list[tvm.transform.Pass] = [BindUnknownShapes(), RemoveInferenceDropout()]
+    rewrite: list[tvm.transform.Pass] = [BindUnknownShapes(), RemoveInferenceDropout(), RemoveEmptyTensors()]
     if fold_batch_norm:
         # FoldConstant evaluates a batch_norm of constants (BiT's weight standardization) to a
         # tuple of constants; CanonicalizeBindings makes the field read from it that constant, and

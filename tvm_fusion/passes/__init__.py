@@ -14,6 +14,7 @@ from .pad_conv_channels import PadConvChannels
 from .pool_before_pointwise_conv import PoolBeforePointwiseConv
 from .recognize_group_norm import RecognizeGroupNorm
 from .recognize_rms_norm import RecognizeRMSNorm
+from .remove_empty_tensors import RemoveEmptyTensors
 from .remove_inference_dropout import RemoveInferenceDropout
 from .resize_as_matmul import LinearResizeAsMatmul
 from .rewrite_layout import RewriteLayout, count_layout_transforms
@@ -43,6 +44,7 @@ __all__ = [
     "PoolBeforePointwiseConv",
     "RecognizeGroupNorm",
     "RecognizeRMSNorm",
+    "RemoveEmptyTensors",
     "RemoveInferenceDropout",
     "RewriteLayout",
     "SimplifyPoolCeilMode",
