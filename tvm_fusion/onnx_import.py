@@ -21,6 +21,7 @@ from tvm.relax.frontend.onnx import onnx_frontend as frontend
 from .errors import UnsupportedOpError, last_line
 from .onnx_dft import DFT
 from .onnx_prepare import default_opset
+from .onnx_rnn import GRU, LSTM
 
 
 class ImportNodeError(UnsupportedOpError):
@@ -89,7 +90,9 @@ def _static_extent(data, axis: int) -> int | None:
 CONVERTERS: dict[str, type[frontend.OnnxOpConverter]] = {
     "ConstantOfShape": ConstantOfShape,
     "DFT": DFT,
+    "GRU": GRU,
     "Gather": Gather,
+    "LSTM": LSTM,
 }
 
 
