@@ -22,6 +22,7 @@ measurement history, which every rewrite keeps.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -61,6 +62,8 @@ VISION = [
     "vit_b_32",
     "swin_v2_t",  # cosine attention, log-spaced continuous position bias (an MLP over coordinates)
     "efficientnet_b3",
+    "vgg16",  # 3x3 convs at 224x224 and 112x112; a 25088 -> 4096 classifier (411 MB of weights)
+    "wide_resnet50_2",
 ]
 _DECODER = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=1376)
 _LLM = dict(_DECODER, vocab_size=32000, max_position_embeddings=512)
@@ -168,6 +171,36 @@ TEXT = {  # name -> (transformers model class, config class, config arguments)
         dict(block_sizes=[2, 2], d_model=384, n_head=6, d_inner=1536),
     ),
     "xlnet": ("XLNetModel", "XLNetConfig", dict(d_model=384, n_layer=4, n_head=6, d_inner=1536)),
+    # Mixtral's sparse mixture of experts (router top-2 of 4 experts), StableLM's partial rotary with
+    # LayerNorm, CodeGen's one qkv projection split in model-parallel groups, FNet's Fourier token
+    # mixing (no attention, no mask input), Nystromformer's landmark attention (segment means,
+    # iterative pseudo-inverse, a depthwise conv over the values)
+    "mixtral": (
+        "MixtralModel",
+        "MixtralConfig",
+        # the loop over experts with data-dependent token lists (the default, grouped_mm, does not export)
+        dict(
+            _LLM,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            experts_implementation="eager",
+        ),
+    ),
+    "stablelm": ("StableLmModel", "StableLmConfig", dict(_LLM, num_key_value_heads=2)),
+    "codegen": (
+        "CodeGenModel",
+        "CodeGenConfig",
+        dict(n_embd=512, n_layer=4, n_head=8, rotary_dim=32, n_inner=1376, vocab_size=32000, n_positions=512),
+    ),
+    "fnet": ("FNetModel", "FNetConfig", dict(hidden_size=384, num_hidden_layers=4, intermediate_size=1536)),
+    "nystromformer": ("NystromformerModel", "NystromformerConfig", dict(_ENCODER, num_landmarks=64)),
+    # more decoder variants: Phi-3's fused qkv and gate/up projections, OLMo's non-parametric
+    # LayerNorm, Cohere's parallel block with a bias-free LayerNorm, StarCoder2's biased GELU MLP
+    "phi3": ("Phi3Model", "Phi3Config", dict(_LLM, num_key_value_heads=2, pad_token_id=0)),
+    "olmo": ("OlmoModel", "OlmoConfig", dict(_LLM, num_key_value_heads=2)),
+    "cohere": ("CohereModel", "CohereConfig", dict(_LLM, num_key_value_heads=2)),
+    "starcoder2": ("Starcoder2Model", "Starcoder2Config", dict(_LLM, num_key_value_heads=2)),
 }
 # Other tasks and inputs: segmentation heads (dict outputs, bilinear Resize, dilated convs), video
 # (Conv3d; r2plus1d_18's (2+1)D factorisation), speech (Conv1d front ends, GroupNorm), Hugging Face
@@ -246,9 +279,18 @@ HF_OTHER = {  # name -> (model class, config class, config arguments, output att
         (1, 3, 224, 224),
     ),
     "deit": ("DeiTModel", "DeiTConfig", _ENCODER, "last_hidden_state", (1, 3, 224, 224)),
+    # WavLM: wav2vec2's front end with gated relative position bias in every attention layer
+    "wavlm": ("WavLMModel", "WavLMConfig", _ENCODER, "last_hidden_state", (1, 16000)),
+    "hubert": ("HubertModel", "HubertConfig", _ENCODER, "last_hidden_state", (1, 16000)),
+    # the Audio Spectrogram Transformer: a ViT over overlapping 16x16 patches of 512 frames x 128 bins
+    "ast": ("ASTModel", "ASTConfig", dict(_ENCODER, max_length=512), "pooler_output", (1, 512, 128)),
+    "swin_hf": ("SwinModel", "SwinConfig", {}, "pooler_output", (1, 3, 224, 224)),
 }
 SEQ2SEQ = ["bart"]
-MODELS = VISION + list(TEXT) + SEGMENTATION + VIDEO + list(HF_OTHER) + SEQ2SEQ
+# torch's recurrent layers (ONNX LSTM / GRU): two bidirectional batch-first layers over 50 frames of
+# 40 features and a linear head, the shape of a small speech or time-series model
+RECURRENT = {"lstm": "LSTM", "gru": "GRU"}
+MODELS = VISION + list(TEXT) + SEGMENTATION + VIDEO + list(HF_OTHER) + SEQ2SEQ + list(RECURRENT)
 
 
 def torch_model(name: str):
@@ -276,6 +318,8 @@ def torch_model(name: str):
         zoo._no_zero_layers(model)
         zoo._calibrate_batch_norm(model, shape, batch=4, rounds=1)
         return model.eval(), (torch.randn(*shape),), ["input"]
+    if name in RECURRENT:
+        return _recurrent(getattr(torch.nn, RECURRENT[name])).eval(), (torch.randn(1, 50, 40),), ["input"]
     import transformers
 
     if name in HF_OTHER:
@@ -302,6 +346,10 @@ def torch_model(name: str):
     config = getattr(transformers, config_class)(**arguments)
     inner = getattr(transformers, model_class)(config).eval()
     extra = {"use_cache": False} if "use_cache" in config.to_dict() else {}
+    seq = 77 if name == "clip_text" else zoo.SEQ
+    ids = torch.randint(0, min(1000, config.vocab_size), (1, seq), dtype=torch.int64)  # ESM: 33
+    if "attention_mask" not in inspect.signature(inner.forward).parameters:  # FNet
+        return _tokens_only(inner, extra).eval(), (ids,), ["input_ids"]
 
     class LastHidden(torch.nn.Module):
         def __init__(self, model):
@@ -311,10 +359,39 @@ def torch_model(name: str):
         def forward(self, input_ids, attention_mask):
             return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
 
-    seq = 77 if name == "clip_text" else zoo.SEQ
-    ids = torch.randint(0, min(1000, config.vocab_size), (1, seq), dtype=torch.int64)  # ESM: 33
     mask = torch.ones(1, seq, dtype=torch.int64)
     return LastHidden(inner).eval(), (ids, mask), ["input_ids", "attention_mask"]
+
+
+def _tokens_only(model, extra: dict):
+    """A text model without an attention-mask input, returning its last hidden state."""
+    import torch
+
+    class TokensOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids, **extra).last_hidden_state
+
+    return TokensOnly()
+
+
+def _recurrent(layer_class):
+    """Two bidirectional batch-first ``layer_class`` layers (40 -> 64 features) and a linear head."""
+    import torch
+
+    class Recurrent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = layer_class(40, 64, num_layers=2, batch_first=True, bidirectional=True)
+            self.head = torch.nn.Linear(128, 10)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0])
+
+    return Recurrent()
 
 
 def _output(model, key=None, attribute=None):

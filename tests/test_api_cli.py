@@ -67,7 +67,13 @@ def test_export_is_atomic_and_leaves_no_temp_files(mlp_so, tmp_path):
 def test_pipeline_is_a_printable_reorderable_sequential():
     passes = pipeline_passes("llvm")
     names = [p.info.name for p in passes]
-    assert names[:4] == ["BindUnknownShapes", "RemoveInferenceDropout", "FoldBatchNorm", "FoldConstant"]
+    assert names[:5] == [
+        "BindUnknownShapes",
+        "RemoveInferenceDropout",
+        "RemoveEmptyTensors",
+        "FoldBatchNorm",
+        "FoldConstant",
+    ]
     assert names.index("ApplyFusionPolicy") < names.index("LegalizeOps") < names.index("FuseTIR")
     assert "ApplyFusionPolicy" in describe(passes)
     assert isinstance(pipeline("llvm"), tvm.transform.Sequential)

@@ -84,6 +84,12 @@ CASES = {
     "lstm-peepholes-clip": dict(op="LSTM", peepholes=True, clip=0.8),
     "lstm-batch-first": dict(op="LSTM", batch_first=True, initial=True, direction="bidirectional"),
     "lstm-relu-cell": dict(op="LSTM", activations=["Sigmoid", "Relu", "Tanh"]),
+    "lstm-per-direction-activations": dict(
+        op="LSTM",
+        direction="bidirectional",
+        activations=["Sigmoid", "Tanh", "Tanh", "Sigmoid", "Relu", "Tanh"],
+    ),
+    "gru-clip": dict(op="GRU", clip=0.5, initial=True),
     "gru": dict(op="GRU"),
     "gru-linear-before-reset": dict(op="GRU", linear_before_reset=1, initial=True),
     "gru-bidirectional-batch-first": dict(op="GRU", direction="bidirectional", batch_first=True),
@@ -110,7 +116,6 @@ def test_the_input_projection_is_one_matmul_for_the_whole_sequence():
     model, _ = rnn_model("LSTM")
     mod = import_onnx(model).mod
     shapes = []
-    tvm_fusion.ir.op_calls(mod["main"], {"relax.matmul"})
     for call in tvm_fusion.ir.op_calls(mod["main"], {"relax.matmul"}):
         shapes.append(tuple(int(d) for d in call.ty.shape))
     assert shapes.count((STEPS, BATCH, 4 * HIDDEN)) == 1
@@ -123,6 +128,7 @@ def test_the_input_projection_is_one_matmul_for_the_whole_sequence():
         (dict(input_forget=1), "input_forget"),
         (dict(activations=["Sigmoid", "Elu", "Tanh"]), "activation 'elu' is not supported"),
         (dict(activation_alpha=[0.5]), "alpha / beta"),
+        (dict(direction="bidirectional", activations=["Sigmoid", "Tanh", "Tanh"]), "3 activations given"),
     ],
 )
 def test_unsupported_attributes_are_named(attrs, message):

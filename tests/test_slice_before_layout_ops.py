@@ -132,16 +132,16 @@ def test_a_matmul_read_elsewhere_too_is_computed_whole_and_sliced():
 @pytest.mark.parametrize(
     "shape, layout, index, axis, mode, block",
     [
-        ((4, 6), [lambda v: relax.op.reshape(v, (4, 2, 3))], 1, 1, "fast", (1, 3, 6)),  # x[:, 3:6]
-        ((1, 3, 4), [relax.op.permute_dims], -1, 0, "wrap", (2, 3, 4)),  # reversed axes: x[:, :, 3]
-        ((2, 3, 4), [relax.op.permute_dims], -1, 0, "wrap", (2, 3, 4)),  # x[:, :, 3], transposed
+        ((4, 6), [lambda v: relax.op.reshape(v, (4, 2, 3))], 1, 1, "fast", (1, 3, 6, 1)),  # x[:, 3:6]
+        ((1, 3, 4), [relax.op.permute_dims], -1, 0, "wrap", (2, 3, 4, 1)),  # reversed axes: x[:, :, 3]
+        ((2, 3, 4), [relax.op.permute_dims], -1, 0, "wrap", (2, 3, 4, 1)),  # x[:, :, 3], transposed
         (
             (3, 8),
             [lambda v: relax.op.reshape(v, (3, 4, 2)), relax.op.permute_dims],
             1,
             0,
             "fast",
-            (1, 1, 8),
+            (1, 1, 8, 2),
         ),  # x[:, 1::2], transposed
         (
             (3, 4),
@@ -149,7 +149,7 @@ def test_a_matmul_read_elsewhere_too_is_computed_whole_and_sliced():
             2,
             -2,
             "clip",
-            (0, 2, 3),
+            (0, 2, 3, 1),
         ),  # x[2, :]
         ((2, 3), [relax.op.flatten], 4, 0, "fast", None),  # one element: no axis block to slice
     ],
@@ -172,6 +172,7 @@ def test_layout_chains_replayed_on_indices(shape, layout, index, axis, mode, blo
     else:
         assert not op_calls(rewritten["main"], {"relax.take"})
         (call,) = slices
-        assert tuple(int(v) for arg in call.args[1:4] for v in arg) == block
+        strides = [int(v) for v in call.args[4]] if len(call.args) > 4 else [1]
+        assert (*(int(v) for arg in call.args[1:4] for v in arg), *strides) == block
     data = np.arange(np.prod(shape), dtype="float32").reshape(shape)
     np.testing.assert_array_equal(run_outputs(rewritten, [data])[0], run_outputs(mod, [data])[0])

@@ -73,15 +73,15 @@ def dft_matrix(n: int, length: int, bins: int, complex_input: bool, inverse: boo
 
 
 def _dft(bb: relax.BlockBuilder, data, axis: int, length: int | None, inverse: int, onesided: int):
-    shape = _static_rank_shape(data)
+    shape = _float_shape(data)
     rank = len(shape)
     if axis < 0:
         axis += rank
     if not 0 <= axis <= rank - 2:
         raise ValueError(f"DFT: axis {axis} is outside the signal axes of a rank-{rank} input")
-    real = _real_part_of_zero_imaginary(bb, data, rank)
+    real = _real_part_of_zero_imaginary(bb, data, rank) if _int(shape[-1]) == 2 else None
     if real is not None:  # half the contraction
-        data, shape = real, _static_rank_shape(real)
+        data, shape = real, _float_shape(real)
     c, n = _int(shape[-1]), _int(shape[axis])
     if c not in (1, 2) or n is None:
         raise ValueError(
@@ -125,7 +125,7 @@ def _real_part_of_zero_imaginary(bb: relax.BlockBuilder, data, rank: int):
         return None
     real, imaginary = parts.fields
     zeros = constant_value(imaginary, _Bindings(bb))
-    if zeros is None or np.any(zeros) or _int(_static_rank_shape(real)[-1]) != 1:
+    if zeros is None or np.any(zeros) or _int(_float_shape(real)[-1]) != 1:
         return None
     return real
 
@@ -140,7 +140,8 @@ class _Bindings:
         return self.bb.lookup_binding(var) if isinstance(var, relax.Var) else None
 
 
-def _static_rank_shape(data) -> list:
+def _float_shape(data) -> list:
+    """The dims of a float tensor of known rank (a dim may be symbolic)."""
     ty = getattr(data, "ty", None)
     if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
         raise ValueError("DFT: the input's rank and shape must be known at import")

@@ -53,6 +53,10 @@ def _recurrence(bb: relax.BlockBuilder, inputs, attr, params, gates: int, defaul
     if direction not in directions:
         raise ValueError(f"unknown direction {direction!r}")
     names = [_text(a).lower() for a in attr.get("activations", defaults * len(directions[direction]))]
+    if len(names) != len(defaults) * len(directions[direction]):
+        raise ValueError(
+            f"{len(names)} activations given; a {direction} node takes {len(defaults)} per direction"
+        )
     unknown = sorted(set(names) - set(_ACTIVATIONS))
     if unknown:
         raise ValueError(f"activation {unknown[0]!r} is not supported (only Sigmoid, Tanh, Relu)")
@@ -67,10 +71,12 @@ def _recurrence(bb: relax.BlockBuilder, inputs, attr, params, gates: int, defaul
             h=_direction_of(bb, initial_h, d, zeros),
             c=_direction_of(bb, initial_c, d, zeros) if gates == 4 else None,
         )
-        cell = _Cell(bb, *(_direction_of(bb, v, d) for v in (w, r, b)))
-        cell.peepholes = _direction_of(bb, peepholes, d)
+        cell = _Cell(bb, *(_direction_of(bb, v, d) for v in (w, r, b)), hidden)
         cell.linear_before_reset = bool(attr.get("linear_before_reset", 0))
-        projected = cell.project_inputs(x, gates, hidden)  # [steps, batch, gates * hidden]
+        if peepholes is not None:
+            p = _direction_of(bb, peepholes, d)
+            cell.peepholes = [_part(bb, p, k, hidden) for k in range(3)]  # i, o, f
+        projected = cell.project_inputs(x, gates)  # [steps, batch, gates * hidden]
         order = range(steps) if name == "forward" else range(steps - 1, -1, -1)
         ys = [None] * steps
         for t in order:
@@ -83,9 +89,8 @@ def _recurrence(bb: relax.BlockBuilder, inputs, attr, params, gates: int, defaul
             ys[t] = state.h
         outputs.append((bb.emit(relax.op.stack(ys, axis=0)), state))
     y = bb.emit(relax.op.stack([y for y, _ in outputs], axis=1))  # [steps, directions, batch, hidden]
-    last = [
-        bb.emit(relax.op.stack([getattr(s, part) for _, s in outputs], axis=0)) for part in "hc"[: gates - 2]
-    ]
+    parts = ["h", "c"] if gates == 4 else ["h"]
+    last = [bb.emit(relax.op.stack([getattr(s, part) for _, s in outputs], axis=0)) for part in parts]
     if batch_first:
         y = bb.emit(relax.op.permute_dims(y, [2, 0, 1, 3]))
         last = [bb.emit(relax.op.permute_dims(s, [1, 0, 2])) for s in last]
@@ -100,17 +105,22 @@ class _State:
 class _Cell:
     """One direction's weights, and its step functions."""
 
-    def __init__(self, bb, w, r, b):
-        self.bb, self.w, self.b = bb, w, b
+    def __init__(self, bb, w, r, b, hidden: int):
+        self.bb, self.w, self.b, self.hidden = bb, w, b, hidden
         self.r_t = bb.emit(relax.op.permute_dims(r, [1, 0]))  # [hidden, gates * hidden]
-        self.peepholes = None
+        self.peepholes = None  # LSTM: [p_i, p_o, p_f]
         self.linear_before_reset = False
         self.r_bias_h = None  # GRU: the candidate's recurrent bias
+        self.r_zr = self.r_h = None  # GRU without linear_before_reset: R's gate / candidate parts
 
-    def project_inputs(self, x, gates: int, hidden: int):
+    def project_inputs(self, x, gates: int):
         """``x · Wᵀ`` plus the biases outside the recurrence: both biases of every LSTM gate, the
-        input bias of every GRU gate and the recurrent bias of its update and reset gates."""
-        bb = self.bb
+        input bias of every GRU gate and the recurrent bias of its update and reset gates. A GRU
+        without ``linear_before_reset`` gets its recurrent weights split here, once for all steps."""
+        bb, hidden = self.bb, self.hidden
+        if gates == 3 and not self.linear_before_reset:
+            self.r_zr = bb.emit(relax.op.strided_slice(self.r_t, [1], [0], [2 * hidden]))
+            self.r_h = bb.emit(relax.op.strided_slice(self.r_t, [1], [2 * hidden], [3 * hidden]))
         projected = relax.op.matmul(x, bb.emit(relax.op.permute_dims(self.w, [1, 0])))
         if self.b is None:
             return bb.emit(projected)
@@ -132,7 +142,7 @@ class _Cell:
         pre = bb.emit(relax.op.add(xt, relax.op.matmul(state.h, self.r_t)))
         i, o, forget, cand = (_part(bb, pre, k, hidden) for k in range(4))
         if self.peepholes is not None:
-            p_i, p_o, p_f = (_part(bb, self.peepholes, k, hidden) for k in range(3))
+            p_i, p_o, p_f = self.peepholes
             i = relax.op.add(i, relax.op.multiply(p_i, state.c))
             forget = relax.op.add(forget, relax.op.multiply(p_f, state.c))
         i, forget, cand = (bb.emit(a(_clip(v, clip))) for a, v in ((f, i), (f, forget), (g, cand)))
@@ -140,7 +150,7 @@ class _Cell:
         if self.peepholes is not None:
             o = relax.op.add(o, relax.op.multiply(p_o, c))
         o = bb.emit(f(_clip(o, clip)))
-        return _State(h=bb.emit(relax.op.multiply(o, h(c))), c=c)
+        return _State(h=bb.emit(relax.op.multiply(o, h(c))), c=c)  # h(Ct) not clipped, as in ORT
 
     def gru(self, xt, state: _State, hidden: int, act, clip) -> _State:
         bb = self.bb
@@ -155,12 +165,10 @@ class _Cell:
             z, r = (bb.emit(f(_clip(relax.op.add(a, b), clip))) for a, b in ((x_z, h_z), (x_r, h_r)))
             cand = relax.op.add(x_h, relax.op.multiply(r, h_h))
         else:
-            r_zr = bb.emit(relax.op.strided_slice(self.r_t, [1], [0], [2 * hidden]))
-            r_h = bb.emit(relax.op.strided_slice(self.r_t, [1], [2 * hidden], [3 * hidden]))
-            recurrent = bb.emit(relax.op.matmul(state.h, r_zr))
+            recurrent = bb.emit(relax.op.matmul(state.h, self.r_zr))
             h_z, h_r = (_part(bb, recurrent, k, hidden) for k in range(2))
             z, r = (bb.emit(f(_clip(relax.op.add(a, b), clip))) for a, b in ((x_z, h_z), (x_r, h_r)))
-            cand = relax.op.add(x_h, relax.op.matmul(relax.op.multiply(r, state.h), r_h))
+            cand = relax.op.add(x_h, relax.op.matmul(relax.op.multiply(r, state.h), self.r_h))
             if r_bias_h is not None:
                 cand = relax.op.add(cand, r_bias_h)
         cand = bb.emit(g(_clip(cand, clip)))

@@ -14,7 +14,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import graph_functions, op_name, static_shape, with_functions
+from ..ir import op_name, rewrite_and_prune, static_shape
 
 __all__ = ["RemoveEmptyTensors"]
 
@@ -24,20 +24,35 @@ def _empty(expr) -> bool:
     return shape is not None and 0 in shape
 
 
+def _parts(concat: relax.Call) -> list:
+    return list(concat.args[0].fields) if isinstance(concat.args[0], relax.Tuple) else []
+
+
+def _removable(call: relax.Call) -> bool:
+    """An op call with a statically empty tensor result, or a ``concat`` with an empty operand."""
+    if not isinstance(call.op, tvm.ir.Op) or not isinstance(call.ty, relax.TensorType):
+        return False
+    if _empty(call):
+        return str(call.ty.dtype) not in ("", "void")
+    return op_name(call) == "relax.concat" and any(_empty(part) for part in _parts(call))
+
+
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
+    def __init__(self, mod):
+        super().__init__(mod)
+        self.rewrote = False
+
     def visit_call_(self, call):
         call = super().visit_call_(call)
-        if not isinstance(call.op, tvm.ir.Op) or isinstance(call.ty, relax.TupleType):
+        if not _removable(call):
             return call
-        if _empty(call) and isinstance(call.ty, relax.TensorType) and call.ty.dtype is not None:
-            return relax.const(np.empty(static_shape(call), str(call.ty.dtype)), str(call.ty.dtype))
-        if op_name(call) == "relax.concat" and isinstance(call.args[0], relax.Tuple):
-            parts = [part for part in call.args[0].fields if not _empty(part)]
-            if len(parts) == len(call.args[0].fields):
-                return call
-            return parts[0] if len(parts) == 1 else relax.op.concat(parts, call.attrs.axis)
-        return call
+        self.rewrote = True
+        if _empty(call):
+            dtype = str(call.ty.dtype)
+            return relax.const(np.empty(static_shape(call), dtype), dtype)
+        parts = [part for part in _parts(call) if not _empty(part)]
+        return parts[0] if len(parts) == 1 else relax.op.concat(parts, call.attrs.axis)
 
 
 @tvm.transform.module_pass(opt_level=0, name="RemoveEmptyTensors")
@@ -45,9 +60,13 @@ class RemoveEmptyTensors:
     """Drop empty ``concat`` operands; make every other statically empty op result a constant."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {}
-        for gvar, func in graph_functions(mod):
-            if not any(_empty(binding.var) for block in func.body.blocks for binding in block.bindings):
-                continue
-            updates[gvar] = relax.analysis.remove_all_unused(_Rewriter(mod).visit_expr(func))
-        return with_functions(mod, updates)
+        return rewrite_and_prune(mod, _needs_rewrite, lambda func: _Rewriter(mod))
+
+
+def _needs_rewrite(func: relax.Function) -> bool:
+    found = []
+    relax.analysis.post_order_visit(
+        func.body,
+        lambda expr: found.append(expr) if isinstance(expr, relax.Call) and _removable(expr) else None,
+    )
+    return bool(found)
