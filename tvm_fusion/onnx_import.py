@@ -19,6 +19,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as frontend
 
 from .errors import UnsupportedOpError, last_line
+from .onnx_col2im import Col2Im
 from .onnx_dft import DFT
 from .onnx_prepare import default_opset
 from .onnx_rnn import GRU, LSTM
@@ -88,6 +89,7 @@ def _static_extent(data, axis: int) -> int | None:
 
 
 CONVERTERS: dict[str, type[frontend.OnnxOpConverter]] = {
+    "Col2Im": Col2Im,
     "ConstantOfShape": ConstantOfShape,
     "DFT": DFT,
     "GRU": GRU,
