@@ -201,6 +201,29 @@ TEXT = {  # name -> (transformers model class, config class, config arguments)
     "olmo": ("OlmoModel", "OlmoConfig", dict(_LLM, num_key_value_heads=2)),
     "cohere": ("CohereModel", "CohereConfig", dict(_LLM, num_key_value_heads=2)),
     "starcoder2": ("Starcoder2Model", "Starcoder2Config", dict(_LLM, num_key_value_heads=2)),
+    # Gemma 2's alternating sliding-window / global layers and logit soft-capping, OLMo 2's q/k
+    # RMSNorm after the projections, Persimmon's q/k LayerNorm with partial rotary, MPT's ALiBi,
+    # BioGPT's scaled learned positions, XGLM's sinusoidal positions, BigBird's block-sparse
+    # attention config (full attention at 128 tokens), CANINE's hashed character embeddings
+    "gemma2": (
+        "Gemma2Model",
+        "Gemma2Config",
+        dict(_LLM, num_key_value_heads=2, head_dim=64, sliding_window=64),
+    ),
+    "olmo2": ("Olmo2Model", "Olmo2Config", dict(_LLM, num_key_value_heads=2)),
+    "persimmon": ("PersimmonModel", "PersimmonConfig", _LLM),
+    "mpt": (
+        "MptModel",
+        "MptConfig",
+        dict(d_model=512, n_heads=8, n_layers=4, vocab_size=32000, max_seq_len=512),
+    ),
+    "biogpt": ("BioGptModel", "BioGptConfig", dict(_ENCODER, vocab_size=32000)),
+    "xglm": (
+        "XGLMModel",
+        "XGLMConfig",
+        dict(d_model=384, num_layers=4, attention_heads=6, ffn_dim=1536, vocab_size=32000),
+    ),
+    "canine": ("CanineModel", "CanineConfig", dict(_ENCODER)),
 }
 # Other tasks and inputs: segmentation heads (dict outputs, bilinear Resize, dilated convs), video
 # (Conv3d; r2plus1d_18's (2+1)D factorisation), speech (Conv1d front ends, GroupNorm), Hugging Face
@@ -285,6 +308,18 @@ HF_OTHER = {  # name -> (model class, config class, config arguments, output att
     # the Audio Spectrogram Transformer: a ViT over overlapping 16x16 patches of 512 frames x 128 bins
     "ast": ("ASTModel", "ASTConfig", dict(_ENCODER, max_length=512), "pooler_output", (1, 512, 128)),
     "swin_hf": ("SwinModel", "SwinConfig", {}, "pooler_output", (1, 3, 224, 224)),
+    # MobileViTV2's separable linear attention, PVTv2's overlapping patch embeddings with a depthwise
+    # conv in the MLP, Data2Vec-Audio's convolutional positions, UniSpeech's wav2vec2-style encoder
+    "mobilevitv2": ("MobileViTV2Model", "MobileViTV2Config", {}, "pooler_output", (1, 3, 256, 256)),
+    "pvt_v2": ("PvtV2Model", "PvtV2Config", {}, "last_hidden_state", (1, 3, 224, 224)),
+    "data2vec_audio": (
+        "Data2VecAudioModel",
+        "Data2VecAudioConfig",
+        _ENCODER,
+        "last_hidden_state",
+        (1, 16000),
+    ),
+    "unispeech": ("UniSpeechModel", "UniSpeechConfig", _ENCODER, "last_hidden_state", (1, 16000)),
 }
 SEQ2SEQ = ["bart"]
 # torch's recurrent layers (ONNX LSTM / GRU): two bidirectional batch-first layers over 50 frames of
@@ -347,7 +382,8 @@ def torch_model(name: str):
     inner = getattr(transformers, model_class)(config).eval()
     extra = {"use_cache": False} if "use_cache" in config.to_dict() else {}
     seq = 77 if name == "clip_text" else zoo.SEQ
-    ids = torch.randint(0, min(1000, config.vocab_size), (1, seq), dtype=torch.int64)  # ESM: 33
+    vocabulary = getattr(config, "vocab_size", 1000)  # CANINE reads Unicode code points: none
+    ids = torch.randint(0, min(1000, vocabulary), (1, seq), dtype=torch.int64)  # ESM: 33
     if "attention_mask" not in inspect.signature(inner.forward).parameters:  # FNet
         return _tokens_only(inner, extra).eval(), (ids,), ["input_ids"]
 

@@ -160,3 +160,43 @@ def test_fnet_fourier_mixing_builds_and_exports_for_cuda(tmp_path):
         feeds = {"x": np.random.default_rng(3).standard_normal((1, 24, 32)).astype(np.float32)}
         ours = tvm_fusion.load(path)(*feeds.values())
         np.testing.assert_allclose(ours, ort_run(model, feeds), rtol=1e-4, atol=1e-5)
+
+
+def stft_model(samples=200, frame=32, step=10, window=True, onesided=1, complex_signal=False):
+    """One ``STFT`` node over a ``[2, samples, 1 or 2]`` signal, with a Hann window or none."""
+    inits = [numpy_helper.from_array(np.array(step, np.int64), "step")]
+    inputs = ["x", "step", "", ""]
+    if window:
+        inits.append(numpy_helper.from_array(np.hanning(frame).astype(np.float32), "window"))
+        inputs[2] = "window"
+    else:
+        inits.append(numpy_helper.from_array(np.array(frame, np.int64), "frame"))
+        inputs[3] = "frame"
+    frames, bins = (samples - frame) // step + 1, (frame // 2 + 1 if onesided else frame)
+    shape = [2, samples, 2 if complex_signal else 1]
+    graph = helper.make_graph(
+        [helper.make_node("STFT", inputs, ["y"], name="/spectrogram/STFT", onesided=onesided)],
+        "stft",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, frames, bins, 2])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), shape
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"window": False},
+        {"onesided": 0},
+        {"complex_signal": True, "onesided": 0},
+        {"samples": 205, "step": 7},
+    ],
+    ids=["hann-onesided", "frame-length-no-window", "two-sided", "complex-signal", "ragged-end"],
+)
+def test_stft_matches_ort(kwargs, cpu_target):
+    model, shape = stft_model(**kwargs)
+    _, ours, ref = _built_and_ort(model, shape, cpu_target)
+    assert ours.shape == ref.shape
+    assert rel_err(ours, ref) < 1e-5

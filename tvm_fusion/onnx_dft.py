@@ -1,4 +1,5 @@
-"""ONNX ``DFT`` as one matmul with a constant DFT matrix (the Relax ONNX frontend has no ``DFT``).
+"""ONNX ``DFT`` and ``STFT`` as one matmul with a constant DFT matrix (the Relax ONNX frontend has
+neither).
 
 The torch exporters write ``torch.fft`` calls (FNet's token mixing, spectral layers) as ``DFT``
 nodes: real or complex signals, complex written as a trailing axis of 2 (real, imaginary). For a
@@ -8,6 +9,8 @@ axis, flattened to ``[..., n·c]`` (c = 1 for a real signal, 2 for a complex one
 ``[n·c, 2K]`` matrix whose entries are the twiddles ``cos θ`` and ``±sin θ``, gives ``[..., K, 2]``.
 That is O(L²) multiply-adds per signal instead of an FFT's O(L log L), but it is a GEMM, which the
 Contraction rule schedules near the FMA peak (FNet's own TPU implementation does the same).
+``STFT`` (``torch.stft`` from the dynamo exporter: in-model spectrograms) is the same matmul over
+frames gathered from the signal, with the window folded into the matrix.
 """
 
 from __future__ import annotations
@@ -152,3 +155,46 @@ def _float_shape(data) -> list:
 
 def _int(dim) -> int | None:
     return int(dim) if isinstance(dim, tvm.tirx.IntImm) else None
+
+
+class STFT(frontend.OnnxOpConverter):
+    """``STFT`` (opset 17): frames gathered by a constant index table, then one matmul by the DFT
+    matrix with the window folded into its rows. ``frame_step``, ``window`` and
+    ``frame_length`` must be constants."""
+
+    @classmethod
+    def _impl_v17(cls, bb, inputs, attr, params):
+        signal, step = inputs[0], _constant_int(inputs[1], params, "frame_step")
+        window = inputs[2]
+        if window is not None:
+            window = frontend.get_constant(window, params)
+            if not isinstance(window, tvm.ir.GenericConst):
+                raise ValueError("STFT: the window must be a constant")
+            window = window.value.numpy().astype(np.float64)
+        frame = _constant_int(inputs[3], params, "frame_length")
+        frame = frame if frame is not None else (len(window) if window is not None else None)
+        if frame is None:
+            raise ValueError("STFT: needs a window or a frame_length")
+        if window is None:
+            window = np.ones(frame)
+        if len(window) != frame:
+            raise ValueError(f"STFT: window of {len(window)} samples for frames of {frame}")
+        shape = _float_shape(signal)
+        c, samples = _int(shape[-1]), _int(shape[1])
+        if len(shape) != 3 or c not in (1, 2) or samples is None:
+            raise ValueError(
+                f"STFT: needs a [batch, samples, 1 or 2] signal of static length, not {list(shape)}"
+            )
+        frames = (samples - frame) // step + 1
+        if frames < 1 or step < 1:
+            raise ValueError(f"STFT: {samples} samples hold no frame of {frame} at step {step}")
+        bins = frame // 2 + 1 if attr.get("onesided", 1) else frame
+        starts = np.arange(frames)[:, None] * step + np.arange(frame)[None, :]
+        framed = relax.op.take(
+            signal, relax.const(starts.astype("int64")), axis=1
+        )  # [batch, frames, frame, c]
+        flat = relax.op.reshape(framed, [shape[0], frames, frame * c])
+        dtype = str(signal.ty.dtype)
+        matrix = dft_matrix(frame, frame, bins, c == 2, inverse=False) * np.repeat(window, c)[:, None]
+        out = relax.op.matmul(flat, relax.const(matrix.astype(dtype), dtype))
+        return relax.op.reshape(out, [shape[0], frames, bins, 2])

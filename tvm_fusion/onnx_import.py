@@ -20,7 +20,7 @@ from tvm.relax.frontend.onnx import onnx_frontend as frontend
 
 from .errors import UnsupportedOpError, last_line
 from .onnx_col2im import Col2Im
-from .onnx_dft import DFT
+from .onnx_dft import DFT, STFT
 from .onnx_prepare import default_opset
 from .onnx_rnn import GRU, LSTM
 
@@ -95,6 +95,7 @@ CONVERTERS: dict[str, type[frontend.OnnxOpConverter]] = {
     "GRU": GRU,
     "Gather": Gather,
     "LSTM": LSTM,
+    "STFT": STFT,
 }
 
 
