@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import ort_run, run_outputs
+from conftest import HAS_GPU, ort_run, run_outputs
 from onnx import TensorProto, helper, numpy_helper
 
 import tvm_fusion
@@ -65,3 +65,15 @@ def test_patches_that_tile_the_image_are_a_relayout_not_a_conv():
     assert not op_calls(tiled, {"relax.nn.conv2d_transpose"}) and op_calls(tiled, {"relax.permute_dims"})
     overlapping = import_onnx(col2im_model(**CASES["overlapping"])[0]).mod["main"]
     assert op_calls(overlapping, {"relax.nn.conv2d_transpose"})
+
+
+def test_col2im_builds_and_exports_for_cuda(tmp_path):
+    model, feeds = col2im_model(**CASES["stride-2-padded"])
+    path = tvm_fusion.build(model, {"kind": "cuda", "arch": "sm_80"}, tuning_logs=None).export(
+        tmp_path / "fold.so"
+    )
+    assert path.stat().st_size > 10_000
+    if HAS_GPU:
+        np.testing.assert_allclose(
+            tvm_fusion.load(path)(*feeds.values()), ort_run(model, feeds), rtol=1e-4, atol=1e-5
+        )

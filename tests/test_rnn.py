@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import ort_outputs, run_outputs
+from conftest import HAS_GPU, ort_outputs, run_outputs
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
@@ -145,3 +145,15 @@ def test_shorter_sequence_lengths_are_refused_by_name():
     node.input[4] = "lens"
     with pytest.raises(ImportNodeError, match="sequence_lens shorter than the sequence"):
         import_onnx(model)
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_rnn_builds_and_exports_for_cuda(op, tmp_path):
+    model, feeds = rnn_model(op, direction="bidirectional", initial=True)
+    path = tvm_fusion.build(model, {"kind": "cuda", "arch": "sm_80"}, tuning_logs=None).export(
+        tmp_path / "rnn.so"
+    )
+    assert path.stat().st_size > 10_000
+    if HAS_GPU:
+        got = tvm_fusion.load(path)(*feeds.values())
+        np.testing.assert_allclose(got[0], ort_outputs(model, feeds)[0], rtol=1e-4, atol=1e-5)
