@@ -224,6 +224,11 @@ TEXT = {  # name -> (transformers model class, config class, config arguments)
         dict(d_model=384, num_layers=4, attention_heads=6, ffn_dim=1536, vocab_size=32000),
     ),
     "canine": ("CanineModel", "CanineConfig", dict(_ENCODER)),
+    # Longformer's sliding-window + global attention, BigBird (full attention at 128 tokens),
+    # DeBERTa (v1)'s disentangled relative attention
+    "longformer": ("LongformerModel", "LongformerConfig", dict(_ENCODER, attention_window=64)),
+    "big_bird": ("BigBirdModel", "BigBirdConfig", dict(_ENCODER)),
+    "deberta": ("DebertaModel", "DebertaConfig", dict(_ENCODER)),
 }
 # Other tasks and inputs: segmentation heads (dict outputs, bilinear Resize, dilated convs), video
 # (Conv3d; r2plus1d_18's (2+1)D factorisation), speech (Conv1d front ends, GroupNorm), Hugging Face
@@ -320,6 +325,31 @@ HF_OTHER = {  # name -> (model class, config class, config arguments, output att
         (1, 16000),
     ),
     "unispeech": ("UniSpeechModel", "UniSpeechConfig", _ENCODER, "last_hidden_state", (1, 16000)),
+    # CLIP's vision tower, DPT's depth head (reassembled ViT tokens, fusion blocks, upsampling),
+    # Hiera's mask-unit attention, SwiftFormer's additive attention, VideoMAE's tubelet patches
+    "clip_vision": (
+        "CLIPVisionModel",
+        "CLIPVisionConfig",
+        dict(_ENCODER, image_size=224, patch_size=32),
+        "pooler_output",
+        (1, 3, 224, 224),
+    ),
+    "dpt": (
+        "DPTForDepthEstimation",
+        "DPTConfig",
+        dict(_ENCODER, image_size=224, backbone_out_indices=[0, 1, 2, 3]),
+        "predicted_depth",
+        (1, 3, 224, 224),
+    ),
+    "hiera": ("HieraModel", "HieraConfig", {}, "pooler_output", (1, 3, 224, 224)),
+    "swiftformer": ("SwiftFormerModel", "SwiftFormerConfig", {}, "last_hidden_state", (1, 3, 224, 224)),
+    "videomae": (
+        "VideoMAEModel",
+        "VideoMAEConfig",
+        dict(_ENCODER, num_frames=8, image_size=112),
+        "last_hidden_state",
+        (1, 8, 3, 112, 112),
+    ),
 }
 SEQ2SEQ = ["bart"]
 # torch's recurrent layers (ONNX LSTM / GRU): two bidirectional batch-first layers over 50 frames of

@@ -12,12 +12,15 @@ name.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as frontend
 
 _ACTIVATIONS = {"sigmoid": relax.op.sigmoid, "tanh": relax.op.tanh, "relu": relax.op.nn.relu}
+_DIRECTIONS = {"forward": ["forward"], "reverse": ["reverse"], "bidirectional": ["forward", "reverse"]}
 
 
 class LSTM(frontend.OnnxOpConverter):
@@ -48,25 +51,17 @@ def _recurrence(bb: relax.BlockBuilder, inputs, attr, params, gates: int, defaul
         x = bb.emit(relax.op.permute_dims(x, [1, 0, 2]))
         initial_h, initial_c = (_batch_first_state(bb, s) for s in (initial_h, initial_c))
     steps = _static_dim(x, 0, "the sequence length")
-    directions = {"forward": ["forward"], "reverse": ["reverse"], "bidirectional": ["forward", "reverse"]}
     direction = _text(attr.get("direction", b"forward"))
-    if direction not in directions:
+    if direction not in _DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r}")
-    names = [_text(a).lower() for a in attr.get("activations", defaults * len(directions[direction]))]
-    if len(names) != len(defaults) * len(directions[direction]):
-        raise ValueError(
-            f"{len(names)} activations given; a {direction} node takes {len(defaults)} per direction"
-        )
-    unknown = sorted(set(names) - set(_ACTIVATIONS))
-    if unknown:
-        raise ValueError(f"activation {unknown[0]!r} is not supported (only Sigmoid, Tanh, Relu)")
+    activations = _activations(attr, defaults, direction)
     _check_full_sequences(sequence_lens, params, steps)
     hidden = _static_dim(r, 2, "the hidden size")
     zeros = relax.op.zeros(relax.ShapeExpr([x.ty.shape.values[1], hidden]), str(x.ty.dtype))
     clip = attr.get("clip")
     outputs = []
-    for d, name in enumerate(directions[direction]):
-        act = [_ACTIVATIONS[n] for n in names[d * len(defaults) : (d + 1) * len(defaults)]]
+    for d, name in enumerate(_DIRECTIONS[direction]):
+        act = activations[d]
         state = _State(
             h=_direction_of(bb, initial_h, d, zeros),
             c=_direction_of(bb, initial_c, d, zeros) if gates == 4 else None,
@@ -81,11 +76,7 @@ def _recurrence(bb: relax.BlockBuilder, inputs, attr, params, gates: int, defaul
         ys = [None] * steps
         for t in order:
             xt = bb.emit(relax.op.take(projected, relax.const(t, "int64"), axis=0))
-            state = (
-                cell.lstm(xt, state, hidden, act, clip)
-                if gates == 4
-                else cell.gru(xt, state, hidden, act, clip)
-            )
+            state = cell.lstm(xt, state, act, clip) if gates == 4 else cell.gru(xt, state, act, clip)
             ys[t] = state.h
         outputs.append((bb.emit(relax.op.stack(ys, axis=0)), state))
     y = bb.emit(relax.op.stack([y for y, _ in outputs], axis=1))  # [steps, directions, batch, hidden]
@@ -97,9 +88,10 @@ def _recurrence(bb: relax.BlockBuilder, inputs, attr, params, gates: int, defaul
     return relax.Tuple([y, *last])
 
 
+@dataclasses.dataclass
 class _State:
-    def __init__(self, h, c):
-        self.h, self.c = h, c
+    h: relax.Expr
+    c: relax.Expr | None  # LSTM only
 
 
 class _Cell:
@@ -136,8 +128,8 @@ class _Cell:
             )
         return bb.emit(relax.op.add(projected, relax.op.add(w_bias, r_bias)))
 
-    def lstm(self, xt, state: _State, hidden: int, act, clip) -> _State:
-        bb = self.bb
+    def lstm(self, xt, state: _State, act, clip) -> _State:
+        bb, hidden = self.bb, self.hidden
         f, g, h = act
         pre = bb.emit(relax.op.add(xt, relax.op.matmul(state.h, self.r_t)))
         i, o, forget, cand = (_part(bb, pre, k, hidden) for k in range(4))
@@ -152,8 +144,8 @@ class _Cell:
         o = bb.emit(f(_clip(o, clip)))
         return _State(h=bb.emit(relax.op.multiply(o, h(c))), c=c)  # h(Ct) not clipped, as in ORT
 
-    def gru(self, xt, state: _State, hidden: int, act, clip) -> _State:
-        bb = self.bb
+    def gru(self, xt, state: _State, act, clip) -> _State:
+        bb, hidden = self.bb, self.hidden
         f, g = act
         x_z, x_r, x_h = (_part(bb, xt, k, hidden) for k in range(3))
         r_bias_h = self.r_bias_h
@@ -175,6 +167,21 @@ class _Cell:
         # (1 - z) ⊙ h~ + z ⊙ h
         h = relax.op.add(cand, relax.op.multiply(z, relax.op.subtract(state.h, cand)))
         return _State(h=bb.emit(h), c=None)
+
+
+def _activations(attr, defaults: tuple, direction: str) -> list[list]:
+    """The activation functions of each direction (ONNX lists them one direction after the other)."""
+    count = len(_DIRECTIONS[direction])
+    names = [_text(a).lower() for a in attr.get("activations", defaults * count)]
+    if len(names) != len(defaults) * count:
+        raise ValueError(
+            f"{len(names)} activations given; a {direction} node takes {len(defaults)} per direction"
+        )
+    unknown = sorted(set(names) - set(_ACTIVATIONS))
+    if unknown:
+        raise ValueError(f"activation {unknown[0]!r} is not supported (only Sigmoid, Tanh, Relu)")
+    k = len(defaults)
+    return [[_ACTIVATIONS[n] for n in names[d * k : (d + 1) * k]] for d in range(count)]
 
 
 def _part(bb, value, k: int, hidden: int):
