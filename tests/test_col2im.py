@@ -48,6 +48,9 @@ CASES = {
     "overlapping": dict(channels=3, image=(7, 7), block=(3, 3)),
     "stride-2-padded": dict(channels=2, image=(9, 8), block=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
     "dilated": dict(channels=2, image=(9, 9), block=(2, 2), dilations=(2, 2)),
+    # the image is not a whole number of strides past the last patch: output_padding [1, 2]
+    "uneven-stride": dict(channels=2, image=(10, 9), block=(3, 3), strides=(2, 3), pads=(1, 0, 1, 2)),
+    "pads-past-the-kernel": dict(channels=1, image=(4, 4), block=(2, 2), pads=(3, 0, 0, 3)),
 }
 
 

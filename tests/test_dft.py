@@ -7,6 +7,7 @@ import pytest
 import tvm
 from conftest import HAS_GPU, ort_run, rel_err, run_executable
 from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
 from tvm import relax
 
 import tvm_fusion
@@ -163,15 +164,17 @@ def test_fnet_fourier_mixing_builds_and_exports_for_cuda(tmp_path):
 
 
 def stft_model(samples=200, frame=32, step=10, window=True, onesided=1, complex_signal=False):
-    """One ``STFT`` node over a ``[2, samples, 1 or 2]`` signal, with a Hann window or none."""
+    """One ``STFT`` node over a ``[2, samples, 1 or 2]`` signal, with a Hann window, or none and a
+    ``frame_length`` (``frame=None``: neither, one frame of the whole signal)."""
     inits = [numpy_helper.from_array(np.array(step, np.int64), "step")]
     inputs = ["x", "step", "", ""]
     if window:
         inits.append(numpy_helper.from_array(np.hanning(frame).astype(np.float32), "window"))
         inputs[2] = "window"
-    else:
+    elif frame is not None:
         inits.append(numpy_helper.from_array(np.array(frame, np.int64), "frame"))
         inputs[3] = "frame"
+    frame = samples if frame is None else frame
     frames, bins = (samples - frame) // step + 1, (frame // 2 + 1 if onesided else frame)
     shape = [2, samples, 2 if complex_signal else 1]
     graph = helper.make_graph(
@@ -193,10 +196,26 @@ def stft_model(samples=200, frame=32, step=10, window=True, onesided=1, complex_
         {"complex_signal": True, "onesided": 0},
         {"samples": 205, "step": 7},
     ],
-    ids=["hann-onesided", "frame-length-no-window", "two-sided", "complex-signal", "ragged-end"],
+    ids=[
+        "hann-onesided",
+        "frame-length-no-window",
+        "two-sided",
+        "complex-signal",
+        "ragged-end",
+    ],
 )
 def test_stft_matches_ort(kwargs, cpu_target):
     model, shape = stft_model(**kwargs)
     _, ours, ref = _built_and_ort(model, shape, cpu_target)
     assert ours.shape == ref.shape
     assert rel_err(ours, ref) < 1e-5
+
+
+def test_stft_without_window_or_frame_length_is_one_frame_of_the_signal(cpu_target):
+    """ONNX's reference evaluator (ONNX Runtime fails on this form)."""
+    model, shape = stft_model(samples=48, window=False, frame=None)
+    feeds = {"x": np.random.default_rng(3).standard_normal(shape).astype(np.float32)}
+    ours = run_executable(tvm_fusion.build(model, cpu_target, tuning_logs=None).executable, feeds)
+    reference = ReferenceEvaluator(model).run(None, feeds)[0]
+    assert ours.shape == reference.shape == (2, 1, 25, 2)
+    assert rel_err(ours, reference) < 1e-5

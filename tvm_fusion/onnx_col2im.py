@@ -39,7 +39,7 @@ class Col2Im(frontend.OnnxOpConverter):
             (image[i] + pads[i] + pads[i + 2] - dilations[i] * (block[i] - 1) - 1) // strides[i] + 1
             for i in range(2)
         ]
-        if rows % kernel or grid[0] * grid[1] != patches:
+        if rows % kernel or min(grid) < 1 or grid[0] * grid[1] != patches:
             raise ValueError(
                 f"Col2Im: input [N, {rows}, {patches}] does not hold {block[0]}x{block[1]} patches "
                 f"of a {image[0]}x{image[1]} image ({grid[0]}x{grid[1]} of them)"
@@ -55,16 +55,16 @@ class Col2Im(frontend.OnnxOpConverter):
             placed = relax.op.permute_dims(tiles, [0, 1, 4, 2, 5, 3])  # [N, C, gh, kh, gw, kw]
             return relax.op.reshape(placed, [batch, channels, image[0], image[1]])
         dtype = str(ty.dtype)
-        one_hot = np.tile(
-            np.eye(kernel, dtype=dtype).reshape(kernel, 1, block[0], block[1]), (channels, 1, 1, 1)
-        )
+        one_hot = np.tile(np.eye(kernel).reshape(kernel, 1, block[0], block[1]), (channels, 1, 1, 1))
+        weights = relax.const(one_hot.astype("float32"))  # numpy has no bfloat16: cast in Relax
+        weights = weights if dtype == "float32" else relax.op.astype(weights, dtype)
         spread = [
             (grid[i] - 1) * strides[i] - pads[i] - pads[i + 2] + dilations[i] * (block[i] - 1) + 1
             for i in range(2)
         ]
         return relax.op.nn.conv2d_transpose(
             relax.op.reshape(data, [batch, rows, grid[0], grid[1]]),
-            relax.const(one_hot, dtype),
+            weights,
             strides=strides,
             padding=pads,
             output_padding=[image[i] - spread[i] for i in range(2)],

@@ -165,6 +165,12 @@ class STFT(frontend.OnnxOpConverter):
     @classmethod
     def _impl_v17(cls, bb, inputs, attr, params):
         signal, step = inputs[0], _constant_int(inputs[1], params, "frame_step")
+        shape = _float_shape(signal)
+        if len(shape) != 3 or _int(shape[-1]) not in (1, 2) or _int(shape[1]) is None:
+            raise ValueError(
+                f"STFT: needs a [batch, samples, 1 or 2] signal of static length, not {list(shape)}"
+            )
+        c, samples = _int(shape[-1]), _int(shape[1])
         window = inputs[2]
         if window is not None:
             window = frontend.get_constant(window, params)
@@ -172,22 +178,15 @@ class STFT(frontend.OnnxOpConverter):
                 raise ValueError("STFT: the window must be a constant")
             window = window.value.numpy().astype(np.float64)
         frame = _constant_int(inputs[3], params, "frame_length")
-        frame = frame if frame is not None else (len(window) if window is not None else None)
-        if frame is None:
-            raise ValueError("STFT: needs a window or a frame_length")
+        if frame is None:  # the window's length, else the whole signal (ONNX's reference)
+            frame = len(window) if window is not None else samples
         if window is None:
             window = np.ones(frame)
         if len(window) != frame:
             raise ValueError(f"STFT: window of {len(window)} samples for frames of {frame}")
-        shape = _float_shape(signal)
-        c, samples = _int(shape[-1]), _int(shape[1])
-        if len(shape) != 3 or c not in (1, 2) or samples is None:
-            raise ValueError(
-                f"STFT: needs a [batch, samples, 1 or 2] signal of static length, not {list(shape)}"
-            )
-        frames = (samples - frame) // step + 1
-        if frames < 1 or step < 1:
+        if step is None or step < 1 or not 1 <= frame <= samples:
             raise ValueError(f"STFT: {samples} samples hold no frame of {frame} at step {step}")
+        frames = (samples - frame) // step + 1
         bins = frame // 2 + 1 if attr.get("onesided", 1) else frame
         starts = np.arange(frames)[:, None] * step + np.arange(frame)[None, :]
         framed = relax.op.take(
