@@ -10,9 +10,11 @@ offset ``k``), which TVM lowers like any ``conv2d_transpose``. 2-D images only.
 from __future__ import annotations
 
 import numpy as np
-import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as frontend
+
+from .ir import shape_dims
+from .onnx_inputs import constant_input
 
 
 class Col2Im(frontend.OnnxOpConverter):
@@ -21,19 +23,17 @@ class Col2Im(frontend.OnnxOpConverter):
     @classmethod
     def _impl_v18(cls, bb, inputs, attr, params):
         data = inputs[0]
-        image = _constant_ints(inputs[1], params, "image_shape")
-        block = _constant_ints(inputs[2], params, "block_shape")
+        image = [int(v) for v in constant_input(inputs[1], params, "image_shape").reshape(-1)]
+        block = [int(v) for v in constant_input(inputs[2], params, "block_shape").reshape(-1)]
         if len(image) != 2 or len(block) != 2:
             raise ValueError(f"Col2Im: only 2-D images are supported (image_shape {image})")
         dilations = list(attr.get("dilations", (1, 1)))
         pads = list(attr.get("pads", (0, 0, 0, 0)))
         strides = list(attr.get("strides", (1, 1)))
-        ty = data.ty
-        if not isinstance(ty.shape, relax.ShapeExpr) or not all(
-            isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values[1:]
-        ):
+        ty, dims = data.ty, shape_dims(data)
+        if dims is None or len(dims) != 3 or None in dims[1:]:
             raise ValueError("Col2Im: the channel and patch counts must be static")
-        batch, rows, patches = ty.shape.values[0], int(ty.shape.values[1]), int(ty.shape.values[2])
+        batch, (rows, patches) = ty.shape.values[0], dims[1:]
         kernel = block[0] * block[1]
         grid = [
             (image[i] + pads[i] + pads[i + 2] - dilations[i] * (block[i] - 1) - 1) // strides[i] + 1
@@ -71,10 +71,3 @@ class Col2Im(frontend.OnnxOpConverter):
             dilation=dilations,
             groups=channels,
         )
-
-
-def _constant_ints(value, params, what: str) -> list[int]:
-    value = frontend.get_constant(value, params)
-    if not isinstance(value, tvm.ir.GenericConst):
-        raise ValueError(f"Col2Im: {what} must be a constant")
-    return [int(v) for v in value.value.numpy().reshape(-1)]

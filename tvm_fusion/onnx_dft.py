@@ -16,11 +16,11 @@ frames gathered from the signal, with the window folded into the matrix.
 from __future__ import annotations
 
 import numpy as np
-import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as frontend
 
-from .ir import constant_value, op_name
+from .ir import constant_value, op_name, shape_dims
+from .onnx_inputs import constant_input, constant_int
 
 
 class DFT(frontend.OnnxOpConverter):
@@ -28,15 +28,15 @@ class DFT(frontend.OnnxOpConverter):
 
     @classmethod
     def _impl_v17(cls, bb, inputs, attr, params):
-        length = _constant_int(inputs[1], params, "dft_length")  # absent inputs read as None
+        length = constant_int(inputs[1], params, "dft_length")  # absent inputs read as None
         return _dft(
             bb, inputs[0], attr.get("axis", 1), length, attr.get("inverse", 0), attr.get("onesided", 0)
         )
 
     @classmethod
     def _impl_v20(cls, bb, inputs, attr, params):
-        length = _constant_int(inputs[1], params, "dft_length")
-        axis = _constant_int(inputs[2], params, "axis")
+        length = constant_int(inputs[1], params, "dft_length")
+        axis = constant_int(inputs[2], params, "axis")
         return _dft(
             bb,
             inputs[0],
@@ -45,16 +45,6 @@ class DFT(frontend.OnnxOpConverter):
             attr.get("inverse", 0),
             attr.get("onesided", 0),
         )
-
-
-def _constant_int(value, params, what: str) -> int | None:
-    """An optional scalar input that must be a constant (None when absent)."""
-    if value is None:
-        return None
-    value = frontend.get_constant(value, params)
-    if not isinstance(value, tvm.ir.GenericConst):
-        raise ValueError(f"DFT: {what} must be a constant, not computed at run time")
-    return int(value.value.numpy().reshape(-1)[0])
 
 
 def dft_matrix(n: int, length: int, bins: int, complex_input: bool, inverse: bool) -> np.ndarray:
@@ -82,10 +72,11 @@ def _dft(bb: relax.BlockBuilder, data, axis: int, length: int | None, inverse: i
         axis += rank
     if not 0 <= axis <= rank - 2:
         raise ValueError(f"DFT: axis {axis} is outside the signal axes of a rank-{rank} input")
-    real = _real_part_of_zero_imaginary(bb, data, rank) if _int(shape[-1]) == 2 else None
+    real = _real_part_of_zero_imaginary(bb, data, rank) if shape_dims(data)[-1] == 2 else None
     if real is not None:  # half the contraction
         data, shape = real, _float_shape(real)
-    c, n = _int(shape[-1]), _int(shape[axis])
+    dims = shape_dims(data)
+    c, n = dims[-1], dims[axis]
     if c not in (1, 2) or n is None:
         raise ValueError(
             f"DFT: needs a static length along axis {axis} and a last axis of 1 (real) or 2 (complex); "
@@ -128,7 +119,7 @@ def _real_part_of_zero_imaginary(bb: relax.BlockBuilder, data, rank: int):
         return None
     real, imaginary = parts.fields
     zeros = constant_value(imaginary, _Bindings(bb))
-    if zeros is None or np.any(zeros) or _int(_float_shape(real)[-1]) != 1:
+    if zeros is None or np.any(zeros) or shape_dims(real)[-1] != 1:
         return None
     return real
 
@@ -153,10 +144,6 @@ def _float_shape(data) -> list:
     return list(ty.shape.values)
 
 
-def _int(dim) -> int | None:
-    return int(dim) if isinstance(dim, tvm.tirx.IntImm) else None
-
-
 class STFT(frontend.OnnxOpConverter):
     """``STFT`` (opset 17): frames gathered by a constant index table, then one matmul by the DFT
     matrix with the window folded into its rows. ``frame_step``, ``window`` and
@@ -164,20 +151,17 @@ class STFT(frontend.OnnxOpConverter):
 
     @classmethod
     def _impl_v17(cls, bb, inputs, attr, params):
-        signal, step = inputs[0], _constant_int(inputs[1], params, "frame_step")
-        shape = _float_shape(signal)
-        if len(shape) != 3 or _int(shape[-1]) not in (1, 2) or _int(shape[1]) is None:
+        signal, step = inputs[0], constant_int(inputs[1], params, "frame_step")
+        shape, dims = _float_shape(signal), shape_dims(signal)
+        if len(dims) != 3 or dims[-1] not in (1, 2) or dims[1] is None:
             raise ValueError(
                 f"STFT: needs a [batch, samples, 1 or 2] signal of static length, not {list(shape)}"
             )
-        c, samples = _int(shape[-1]), _int(shape[1])
-        window = inputs[2]
+        c, samples = dims[-1], dims[1]
+        window = constant_input(inputs[2], params, "window")
         if window is not None:
-            window = frontend.get_constant(window, params)
-            if not isinstance(window, tvm.ir.GenericConst):
-                raise ValueError("STFT: the window must be a constant")
-            window = window.value.numpy().astype(np.float64)
-        frame = _constant_int(inputs[3], params, "frame_length")
+            window = window.astype(np.float64)
+        frame = constant_int(inputs[3], params, "frame_length")
         if frame is None:  # the window's length, else the whole signal (ONNX's reference)
             frame = len(window) if window is not None else samples
         if window is None:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as frontend
+
+from .ir import shape_dims
+from .onnx_inputs import constant_input
 
 _ACTIVATIONS = {"sigmoid": relax.op.sigmoid, "tanh": relax.op.tanh, "relu": relax.op.nn.relu}
 _DIRECTIONS = {"forward": ["forward"], "reverse": ["reverse"], "bidirectional": ["forward", "reverse"]}
@@ -206,25 +208,18 @@ def _batch_first_state(bb, state):
 
 
 def _check_full_sequences(sequence_lens, params, steps: int) -> None:
-    if sequence_lens is None:
-        return
-    lens = frontend.get_constant(sequence_lens, params)
-    if not isinstance(lens, tvm.ir.GenericConst) or np.any(lens.value.numpy() != steps):
+    lens = constant_input(sequence_lens, params, "sequence_lens")
+    if lens is not None and np.any(lens != steps):
         raise ValueError(
             f"sequence_lens shorter than the sequence ({steps} steps) is not supported: pad and mask instead"
         )
 
 
 def _static_dim(value, axis: int, what: str) -> int:
-    ty = getattr(value, "ty", None)
-    dims = (
-        ty.shape.values
-        if isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr)
-        else None
-    )
-    if dims is None or not isinstance(dims[axis], tvm.tirx.IntImm):
+    dims = shape_dims(value)
+    if dims is None or dims[axis] is None:
         raise ValueError(f"{what} must be static")
-    return int(dims[axis])
+    return dims[axis]
 
 
 def _text(value) -> str:
