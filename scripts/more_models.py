@@ -414,34 +414,26 @@ def torch_model(name: str):
     seq = 77 if name == "clip_text" else zoo.SEQ
     vocabulary = getattr(config, "vocab_size", 1000)  # CANINE reads Unicode code points: none
     ids = torch.randint(0, min(1000, vocabulary), (1, seq), dtype=torch.int64)  # ESM: 33
+    wrapped = _last_hidden(inner, extra).eval()
     if "attention_mask" not in inspect.signature(inner.forward).parameters:  # FNet
-        return _tokens_only(inner, extra).eval(), (ids,), ["input_ids"]
-
-    class LastHidden(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
-
-    mask = torch.ones(1, seq, dtype=torch.int64)
-    return LastHidden(inner).eval(), (ids, mask), ["input_ids", "attention_mask"]
+        return wrapped, (ids,), ["input_ids"]
+    return wrapped, (ids, torch.ones(1, seq, dtype=torch.int64)), ["input_ids", "attention_mask"]
 
 
-def _tokens_only(model, extra: dict):
-    """A text model without an attention-mask input, returning its last hidden state."""
+def _last_hidden(model, extra: dict):
+    """A text model's last hidden state from token ids and, where it takes one, an attention mask."""
     import torch
 
-    class TokensOnly(torch.nn.Module):
+    class LastHidden(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids):
-            return self.model(input_ids=input_ids, **extra).last_hidden_state
+        def forward(self, input_ids, attention_mask=None):
+            masked = {} if attention_mask is None else {"attention_mask": attention_mask}
+            return self.model(input_ids=input_ids, **masked, **extra).last_hidden_state
 
-    return TokensOnly()
+    return LastHidden()
 
 
 def _recurrent(layer_class):
